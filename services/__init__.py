@@ -1,0 +1,1 @@
+"""SliceScheduler's services: gateway, gmg, simulator, scheduler, worker, and the ``slicesched`` CLI."""

@@ -1,0 +1,82 @@
+"""``slicesched`` command: one subcommand per module, imported lazily so each stays cheap to start.
+
+A subcommand module defines ``configure(parser)`` and ``run(args) -> int``. Configuration problems
+(:class:`shared.config.ConfigError`) and bad arguments print one line naming the file/field and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from shared.config import ConfigError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("services.cli.up", "start Redis (embedded default) and every service; Ctrl-C stops all"),
+    "check-config": ("services.cli.check_config", "validate cluster.yaml and tenants.yaml"),
+    "simulate": ("services.cli.simulate", "replay a workload on a modelled cluster with one policy (offline)"),
+    "profile": ("services.cli.profile", "micro-benchmark the real operators on a local device, write a profile"),
+    "inspect": ("services.cli.inspect", "show devices, tenants, leases, forecasts, streams, a request's journey"),
+}
+BENCH: dict[str, tuple[str, str]] = {
+    "overhead": ("services.cli.bench_overhead", "per-token time through the mesh vs in-process decode"),
+    "accuracy": ("services.cli.bench_accuracy", "simulator error against the real CPU mesh"),
+    "compare": ("services.cli.bench_compare", "max sustainable throughput per policy, side by side"),
+    "decisions": ("services.cli.bench_decisions", "scheduling decision latency against Redis"),
+    "transport": ("services.cli.bench_transport", "tensor transport bandwidth/latency per backend"),
+    "whatif": ("services.cli.bench_whatif", "what-if RPC latency on a synthetic twin"),
+    "simspeed": ("services.cli.bench_simspeed", "simulator speed: events/s on a trace"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # exit 2 with one line, no usage dump noise
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.set_defaults(_module=module, _parser=p)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        p.set_defaults(_missing=True)
+        return
+    mod.configure(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="slicesched", description="SliceScheduler: operator-level slice scheduling for LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (module, help_) in COMMANDS.items():
+        _add(sub, name, module, help_)
+    bench = sub.add_parser("bench", help="benchmarks (results go in docs/)")
+    bsub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    for name, (module, help_) in BENCH.items():
+        _add(bsub, name, module, help_)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_missing", False):
+        print(f"slicesched: this subcommand is not available in this build ({args._module})", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(args._module)
+    try:
+        return int(mod.run(args) or 0)
+    except ConfigError as e:
+        print(f"slicesched: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

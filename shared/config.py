@@ -1,0 +1,360 @@
+"""Frozen configuration objects built from ``cluster.yaml`` / ``tenants.yaml`` plus the environment.
+
+Every validation problem raises :class:`ConfigError` naming the file, the field path and what is wrong;
+command-line entry points turn it into a one-line message and exit code 2.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.model.config import PRESETS, ModelConfig
+
+BACKENDS = ("cpu", "cuda", "emulated")
+DEVICE_KINDS = ("cpu", "a100-80gb", "h100-80gb", "h200")
+LINK_KINDS = ("shm", "tcp", "cuda_ipc", "nccl", "nvlink", "pcie")
+GIB = 1024**3
+
+
+class ConfigError(ValueError):
+    """A configuration problem: ``file: field: what is wrong``."""
+
+    def __init__(self, file: str | Path, field_path: str, problem: str) -> None:
+        self.file, self.field_path, self.problem = str(file), field_path, problem
+        super().__init__(f"{file}: {field_path}: {problem}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    id: str
+    backend: str  # cpu | cuda | emulated
+    kind: str  # profile name: cpu | a100-80gb | h100-80gb | h200
+    memory_bytes: int
+    host: str = "localhost"
+    cuda_index: int | None = None
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    devices: tuple[DeviceConfig, ...]
+    name: str = "local"
+    headroom_fraction: float = 0.05
+    intra_host_link: str = "shm"  # cpu: shm; gpus: cuda_ipc / nvlink
+    inter_host_link: str = "tcp"  # cpu: tcp; gpus: nccl
+    source: str = "<memory>"
+
+    def device(self, device_id: str) -> DeviceConfig:
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        raise KeyError(device_id)
+
+    def link_kind(self, a: str, b: str) -> str:
+        return self.intra_host_link if self.device(a).host == self.device(b).host else self.inter_host_link
+
+
+@dataclass(frozen=True)
+class SLA:
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a tenant's model comes from: a preset name, an inline config, or a local checkpoint dir."""
+
+    config: ModelConfig
+    preset: str | None = None
+    checkpoint: str | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Quota:
+    tokens_per_min: int = 0  # 0 = unlimited
+    max_concurrency: int = 0  # 0 = unlimited
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    model: ModelSpec
+    sla: SLA
+    home_devices: tuple[str, ...]
+    api_key_hashes: tuple[str, ...] = ()  # "sha256:<hex>"
+    max_queue: int = 256
+    quota: Quota = field(default_factory=Quota)
+    weight: float = 1.0  # relative offered load (used when sizing containers offline)
+
+
+@dataclass(frozen=True)
+class TenantsConfig:
+    tenants: tuple[TenantConfig, ...]
+    source: str = "<memory>"
+
+    def get(self, name: str) -> TenantConfig:
+        for t in self.tenants:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def names(self) -> list[str]:
+        return [t.name for t in self.tenants]
+
+
+def hash_api_key(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- parsing helpers
+def _load_yaml(path: str | Path) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(p, "(file)", "file not found")
+    try:
+        return yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(yaml)"
+        raise ConfigError(p, where, f"invalid YAML: {getattr(e, 'problem', e)}") from None
+
+
+def _req(d: dict, key: str, file: Path, path: str, types: type | tuple, *, default: Any = ...) -> Any:
+    if key not in d:
+        if default is ...:
+            raise ConfigError(file, f"{path}.{key}" if path else key, "required field is missing")
+        return default
+    v = d[key]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ConfigError(file, f"{path}.{key}", f"expected {_tn(types)}, got {v!r}")
+    if not isinstance(v, types):
+        raise ConfigError(file, f"{path}.{key}", f"expected {_tn(types)}, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _tn(types: type | tuple) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in ts)
+
+
+def _memory_bytes(d: dict, file: Path, path: str) -> int:
+    if "memory_gb" in d:
+        v = _req(d, "memory_gb", file, path, (int, float))
+        b = int(float(v) * GIB)
+    elif "memory_bytes" in d:
+        b = _req(d, "memory_bytes", file, path, int)
+    else:
+        raise ConfigError(file, f"{path}.memory_gb", "required field is missing (or give memory_bytes)")
+    if b <= 0:
+        raise ConfigError(file, f"{path}.memory_gb", "must be positive")
+    return b
+
+
+# ---------------------------------------------------------------- cluster
+def parse_cluster(data: Any, file: str | Path = "<memory>") -> ClusterConfig:
+    file = Path(file)
+    if not isinstance(data, dict):
+        raise ConfigError(file, "(top level)", "expected a mapping with a 'devices' list")
+    meta = data.get("cluster", {}) or {}
+    if not isinstance(meta, dict):
+        raise ConfigError(file, "cluster", "expected a mapping")
+    devs_raw = _req(data, "devices", file, "", list)
+    if not devs_raw:
+        raise ConfigError(file, "devices", "at least one device is required")
+    devices, seen = [], set()
+    for i, d in enumerate(devs_raw):
+        path = f"devices[{i}]"
+        if not isinstance(d, dict):
+            raise ConfigError(file, path, "expected a mapping")
+        did = _req(d, "id", file, path, str)
+        if not did or any(c in did for c in " {}:*"):
+            raise ConfigError(file, f"{path}.id", f"invalid device id {did!r} (no spaces, braces, ':' or '*')")
+        if did in seen:
+            raise ConfigError(file, f"{path}.id", f"duplicate device id {did!r}")
+        seen.add(did)
+        backend = _req(d, "backend", file, path, str)
+        if backend not in BACKENDS:
+            raise ConfigError(file, f"{path}.backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        kind = _req(d, "kind", file, path, str, default="cpu" if backend == "cpu" else "h100-80gb")
+        if kind not in DEVICE_KINDS:
+            raise ConfigError(file, f"{path}.kind", f"must be one of {', '.join(DEVICE_KINDS)}, got {kind!r}")
+        cuda_index = _req(d, "cuda_index", file, path, (int, type(None)), default=None)
+        threads = _req(d, "threads", file, path, int, default=1)
+        if threads <= 0:
+            raise ConfigError(file, f"{path}.threads", "must be a positive integer")
+        devices.append(DeviceConfig(id=did, backend=backend, kind=kind, memory_bytes=_memory_bytes(d, file, path),
+                                    host=str(_req(d, "host", file, path, str, default="localhost")),
+                                    cuda_index=cuda_index, threads=threads))
+    headroom = _req(meta, "headroom_fraction", file, "cluster", (int, float), default=0.05)
+    if not 0 <= headroom < 1:
+        raise ConfigError(file, "cluster.headroom_fraction", "must be in [0, 1)")
+    links = _req(data, "links", file, "", dict, default={}) or {}
+    intra = _req(links, "intra_host", file, "links", str, default="shm")
+    inter = _req(links, "inter_host", file, "links", str, default="tcp")
+    for k, v in (("intra_host", intra), ("inter_host", inter)):
+        if v not in LINK_KINDS:
+            raise ConfigError(file, f"links.{k}", f"must be one of {', '.join(LINK_KINDS)}, got {v!r}")
+    return ClusterConfig(devices=tuple(devices), name=str(meta.get("name", "local")),
+                         headroom_fraction=float(headroom), intra_host_link=intra, inter_host_link=inter,
+                         source=str(file))
+
+
+def load_cluster(path: str | Path) -> ClusterConfig:
+    return parse_cluster(_load_yaml(path), path)
+
+
+# ---------------------------------------------------------------- tenants
+def _parse_model(m: Any, file: Path, path: str) -> ModelSpec:
+    if isinstance(m, str):
+        m = {"preset": m}
+    if not isinstance(m, dict):
+        raise ConfigError(file, path, "expected a preset name or a mapping with preset/config/checkpoint")
+    seed = _req(m, "seed", file, path, int, default=0)
+    given = [k for k in ("preset", "config", "checkpoint") if k in m]
+    if len(given) != 1:
+        raise ConfigError(file, path, "give exactly one of preset, config or checkpoint")
+    if "preset" in m:
+        name = _req(m, "preset", file, path, str)
+        if name not in PRESETS:
+            raise ConfigError(file, f"{path}.preset", f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+        cfg = PRESETS[name]
+        overrides = _req(m, "overrides", file, path, dict, default={})
+        try:
+            cfg = cfg.with_(**overrides)
+        except TypeError as e:
+            raise ConfigError(file, f"{path}.overrides", str(e)) from None
+        spec = ModelSpec(config=cfg, preset=name, seed=seed)
+    elif "config" in m:
+        raw = _req(m, "config", file, path, dict)
+        try:
+            cfg = ModelConfig.from_dict(raw)
+        except TypeError as e:
+            raise ConfigError(file, f"{path}.config", str(e)) from None
+        spec = ModelSpec(config=cfg, seed=seed)
+    else:
+        ck = Path(_req(m, "checkpoint", file, path, str))
+        if not ck.is_absolute():
+            ck = (file.parent / ck).resolve()
+        if not (ck / "config.json").is_file():
+            raise ConfigError(file, f"{path}.checkpoint", f"no config.json in {ck}")
+        try:
+            cfg = ModelConfig.from_checkpoint(ck)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(file, f"{path}.checkpoint", f"bad config.json: {e}") from None
+        spec = ModelSpec(config=cfg, checkpoint=str(ck), seed=seed)
+    errs = spec.config.validate()
+    if errs:
+        raise ConfigError(file, f"{path}.{errs[0].split(':')[0]}", errs[0].split(": ", 1)[1])
+    return spec
+
+
+def parse_tenants(data: Any, file: str | Path = "<memory>", cluster: ClusterConfig | None = None) -> TenantsConfig:
+    file = Path(file)
+    if not isinstance(data, dict):
+        raise ConfigError(file, "(top level)", "expected a mapping with a 'tenants' list")
+    raw = _req(data, "tenants", file, "", list)
+    if not raw:
+        raise ConfigError(file, "tenants", "at least one tenant is required")
+    out, names, keys = [], set(), {}
+    device_ids = {d.id for d in cluster.devices} if cluster else None
+    for i, t in enumerate(raw):
+        path = f"tenants[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(file, path, "expected a mapping")
+        name = _req(t, "name", file, path, str)
+        if not name or any(c in name for c in " {}:*/"):
+            raise ConfigError(file, f"{path}.name", f"invalid tenant name {name!r}")
+        if name in names:
+            raise ConfigError(file, f"{path}.name", f"duplicate tenant name {name!r}")
+        names.add(name)
+        model = _parse_model(_req(t, "model", file, path, (str, dict)), file, f"{path}.model")
+        sla_raw = _req(t, "sla", file, path, dict)
+        ttft = _req(sla_raw, "ttft_ms", file, f"{path}.sla", (int, float))
+        tpot = _req(sla_raw, "tpot_ms", file, f"{path}.sla", (int, float))
+        if ttft <= 0 or tpot <= 0:
+            raise ConfigError(file, f"{path}.sla", "ttft_ms and tpot_ms must be positive")
+        homes = _req(t, "home_devices", file, path, list)
+        if not homes or not all(isinstance(h, str) for h in homes):
+            raise ConfigError(file, f"{path}.home_devices", "expected a non-empty list of device ids")
+        if device_ids is not None:
+            for h in homes:
+                if h not in device_ids:
+                    raise ConfigError(file, f"{path}.home_devices", f"unknown device {h!r} (not in {cluster.source})")
+        hashes = []
+        for j, k in enumerate(_req(t, "api_keys", file, path, list, default=[]) or []):
+            if not isinstance(k, str) or len(k) < 8:
+                raise ConfigError(file, f"{path}.api_keys[{j}]", "an API key must be a string of at least 8 characters")
+            hashes.append(hash_api_key(k))
+        for j, h in enumerate(_req(t, "api_key_hashes", file, path, list, default=[]) or []):
+            if not isinstance(h, str) or not h.startswith("sha256:") or len(h) != 71:
+                raise ConfigError(file, f"{path}.api_key_hashes[{j}]", "expected 'sha256:' followed by 64 hex digits")
+            hashes.append(h.lower())
+        for h in hashes:
+            if h in keys:
+                raise ConfigError(file, f"{path}.api_keys", f"an API key is shared with tenant {keys[h]!r}")
+            keys[h] = name
+        q = _req(t, "quota", file, path, dict, default={}) or {}
+        quota = Quota(tokens_per_min=_req(q, "tokens_per_min", file, f"{path}.quota", int, default=0),
+                      max_concurrency=_req(q, "max_concurrency", file, f"{path}.quota", int, default=0))
+        max_queue = _req(t, "max_queue", file, path, int, default=256)
+        if max_queue <= 0:
+            raise ConfigError(file, f"{path}.max_queue", "must be a positive integer")
+        weight = _req(t, "weight", file, path, (int, float), default=1.0)
+        out.append(TenantConfig(name=name, model=model, sla=SLA(float(ttft), float(tpot)), home_devices=tuple(homes),
+                                api_key_hashes=tuple(hashes), max_queue=max_queue, quota=quota, weight=float(weight)))
+    return TenantsConfig(tenants=tuple(out), source=str(file))
+
+
+def load_tenants(path: str | Path, cluster: ClusterConfig | None = None) -> TenantsConfig:
+    return parse_tenants(_load_yaml(path), path, cluster)
+
+
+def dev_api_keys(path: str | Path) -> dict[str, list[str]]:
+    """Plain-text dev keys per tenant as written in a tenants file (for the launcher's banner)."""
+    data = _load_yaml(path)
+    return {t["name"]: list(t.get("api_keys") or []) for t in data.get("tenants", []) if isinstance(t, dict)}
+
+
+# ---------------------------------------------------------------- runtime settings
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-level settings from the environment (built once in each ``__main__``)."""
+
+    redis_url: str
+    prefix: str = "slicesched:"
+    cluster_file: str = str(REPO_CONFIGS / "cluster.yaml")
+    tenants_file: str = str(REPO_CONFIGS / "tenants.yaml")
+    log_format: str = "auto"  # json | console | auto
+    log_level: str = "info"
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    metrics_port: int = 0  # services other than the gateway serve /metrics + /health here (0 = pick free)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
+        e = os.environ if env is None else env
+        url = e.get("REDIS_URL", "")
+        if not url:
+            raise ConfigError("environment", "REDIS_URL", "not set (the launcher sets it; or export REDIS_URL)")
+        try:
+            port = int(e.get("SLICESCHED_GATEWAY_PORT", "8000"))
+            mport = int(e.get("SLICESCHED_METRICS_PORT", "0"))
+        except ValueError as ex:
+            raise ConfigError("environment", "SLICESCHED_GATEWAY_PORT", str(ex)) from None
+        prefix = e.get("SLICESCHED_PREFIX", "slicesched:")
+        if not prefix.endswith(":"):
+            prefix += ":"
+        return cls(redis_url=url, prefix=prefix,
+                   cluster_file=e.get("SLICESCHED_CLUSTER", str(REPO_CONFIGS / "cluster.yaml")),
+                   tenants_file=e.get("SLICESCHED_TENANTS", str(REPO_CONFIGS / "tenants.yaml")),
+                   log_format=e.get("SLICESCHED_LOG_FORMAT", "auto"), log_level=e.get("SLICESCHED_LOG_LEVEL", "info"),
+                   gateway_host=e.get("SLICESCHED_GATEWAY_HOST", "127.0.0.1"), gateway_port=port, metrics_port=mport)

@@ -1,0 +1,185 @@
+"""Every stream payload and every stream/group name, in one place.
+
+Payloads are msgspec Structs (frozen, keyword-only, tagged by type) encoded as MessagePack. One decoder per stream
+decodes the union of that stream's message types; anything else is a poison entry for the dead-letter stream.
+Times are ``*_ts`` (epoch seconds); durations carry their unit. Request-scoped messages carry ``tenant`` and
+``request_id``. High-rate ``TokenChunk`` fields are only ever appended, with defaults.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class Msg(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Base of every stream payload; ``msg_id`` makes handling idempotent."""
+
+    msg_id: str
+
+
+# ---------------------------------------------------------------- gateway -> scheduler (requests stream)
+class InferenceRequest(Msg, frozen=True, kw_only=True):
+    request_id: str
+    tenant: str
+    gateway: str  # gateway id: tokens go to tokens_stream(prefix, gateway)
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    ignore_eos: bool = False
+    arrival_ts: float = 0.0
+    deadline_ts: float = 0.0  # 0 = none; the scheduler drops it (with an error) if still queued past this
+
+
+class CancelRequest(Msg, frozen=True, kw_only=True):
+    request_id: str
+    tenant: str
+    reason: str = "client_disconnected"
+
+
+# ---------------------------------------------------------------- scheduler -> worker (worker:{device})
+class AssignRequest(Msg, frozen=True, kw_only=True):
+    """The scheduler placed ``request`` on this device; KV for it is already reserved in the GMG."""
+
+    request: InferenceRequest
+    device: str
+    kv_blocks: int
+    attempt: int = 1
+
+
+class CancelAssigned(Msg, frozen=True, kw_only=True):
+    request_id: str
+    tenant: str
+    reason: str = "client_disconnected"
+
+
+# ---------------------------------------------------------------- workers -> gateway (tokens:{gateway})
+class TokenChunk(Msg, frozen=True, kw_only=True):
+    request_id: str
+    tenant: str
+    seq: int  # 0, 1, 2 ... per request; the gateway drops duplicates and detects gaps
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # stop | length | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    device: str = ""
+
+
+class RequestError(Msg, frozen=True, kw_only=True):
+    """Terminal error for a request. ``status`` is the HTTP status the gateway should use."""
+
+    request_id: str
+    tenant: str
+    status: int
+    code: str  # e.g. worker_failed, deadline_exceeded, overloaded, internal_error
+    message: str
+    retryable: bool = False
+
+
+# ---------------------------------------------------------------- workers -> everyone (events stream)
+class SegmentStat(msgspec.Struct, frozen=True, array_like=True):
+    """Measured time of one segment name over one (tokens-bucket) in a report window."""
+
+    segment: str
+    tokens_bucket: int  # batch tokens rounded up to a power of two
+    count: int
+    total_ms: float
+    sumsq_ms: float = 0.0
+    kv_tokens: int = 0  # mean KV positions attended (attention segments), 0 otherwise
+
+
+class WorkerHeartbeat(Msg, frozen=True, kw_only=True):
+    device: str
+    worker_id: str  # process instance id (changes on restart)
+    backend: str
+    home_tenant: str
+    ts: float
+    state: str = "ready"  # starting | ready | draining
+    capacity_bytes: int = 0
+    weight_bytes: int = 0
+    kv_used_bytes: int = 0
+    kv_total_bytes: int = 0
+    running: int = 0
+    queued: int = 0
+    busy_ratio: float = 0.0  # since the previous heartbeat
+
+
+class StepReport(Msg, frozen=True, kw_only=True):
+    """Aggregated execution of one device over a short window (not one message per step)."""
+
+    device: str
+    tenant: str
+    window_start_ts: float
+    window_end_ts: float
+    steps: int
+    busy_ms: float
+    segments: list[SegmentStat] = []
+    busy_intervals: list[tuple[float, float]] = []  # (start_ts, end_ts) of iterations, merged when adjacent
+    kv_used_bytes: int = 0
+
+
+class RequestStarted(Msg, frozen=True, kw_only=True):
+    request_id: str
+    tenant: str
+    device: str
+    ts: float
+
+
+class RequestFinished(Msg, frozen=True, kw_only=True):
+    """A request left the device: finished, cancelled or failed. Its KV is free on the device."""
+
+    request_id: str
+    tenant: str
+    device: str
+    outcome: str  # stop | length | cancelled | failed
+    prompt_tokens: int
+    completion_tokens: int
+    kv_blocks: int
+    ts: float
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+
+
+class DeviceDown(Msg, frozen=True, kw_only=True):
+    device: str
+    worker_id: str
+    reason: str
+    ts: float
+
+
+# ---------------------------------------------------------------- unions per stream
+RequestsMsg = Union[InferenceRequest, CancelRequest]
+WorkerMsg = Union[AssignRequest, CancelAssigned]
+TokensMsg = Union[TokenChunk, RequestError]
+EventsMsg = Union[WorkerHeartbeat, StepReport, RequestStarted, RequestFinished, DeviceDown]
+
+
+# ---------------------------------------------------------------- stream and group names
+def requests_stream(prefix: str) -> str:
+    return f"{prefix}requests"
+
+
+def worker_stream(prefix: str, device: str) -> str:
+    return f"{prefix}worker:{device}"
+
+
+def tokens_stream(prefix: str, gateway: str) -> str:
+    return f"{prefix}tokens:{gateway}"
+
+
+def events_stream(prefix: str) -> str:
+    return f"{prefix}events"
+
+
+def dead_stream(prefix: str) -> str:
+    return f"{prefix}dead"
+
+
+GROUP_SCHEDULER = "scheduler"
+GROUP_WORKER = "worker"
+GROUP_GMG = "gmg"
+GROUP_SIMULATOR = "simulator"

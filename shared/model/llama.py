@@ -1,0 +1,280 @@
+"""Llama-family decoder in torch, runnable segment by segment over a paged KV cache.
+
+Weights are held per segment (``embed``, ``attn[l]``, ``mlp[l]``, ``head``) so that a device can hold only some
+segments (a guest running ``mlp[l]`` of another tenant's model). A segment's code path does not depend on which
+other segments are present, so a segment gives bit-identical results in a full and in a partial model.
+Internally q/k/v and gate/up are fused; :meth:`LlamaModel.segment_state_dict` speaks Hugging Face names.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from shared.model.batch import BatchContext
+from shared.model.config import ModelConfig
+from shared.model.graph import parse_segment, segment_names
+from shared.model.kv_cache import PagedKVCache
+
+Tensor = torch.Tensor
+
+
+def hf_names(cfg: ModelConfig, segment: str) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names of one segment and their shapes."""
+    kind, layer = parse_segment(segment)
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    if kind == "embed":
+        return {"model.embed_tokens.weight": (v, h)}
+    if kind == "head":
+        return {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    p = f"model.layers.{layer}."
+    if kind == "attn":
+        return {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q)}
+    return {p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+
+
+class LlamaModel:
+    """A Llama decoder holding the weights of all (or, for a guest, some) segments."""
+
+    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu", *, seed: int = 0,
+                 weights: dict[str, Tensor] | None = None, segments: Iterable[str] | None = None) -> None:
+        errs = cfg.validate()
+        if errs:
+            raise ValueError("invalid model config: " + "; ".join(errs))
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype: torch.dtype = getattr(torch, cfg.dtype)
+        all_names = segment_names(cfg.num_hidden_layers)
+        held = list(all_names) if segments is None else list(segments)
+        for s in held:
+            if s not in all_names:
+                raise KeyError(f"no segment {s!r} in a {cfg.num_hidden_layers}-layer model")
+        self.segments: list[str] = [s for s in all_names if s in held]
+        self._w: dict[str, dict[str, Tensor]] = {s: self._empty(s) for s in self.segments}
+        if weights is None and segments is None:
+            from shared.model.weights import random_state_dict
+            weights = random_state_dict(cfg, seed)
+        if weights is not None:
+            for s in self.segments:
+                self.load_segment(s, {n: weights[n] for n in hf_names(cfg, s) if n in weights})
+        if cfg.tie_word_embeddings and "embed" in self._w and "head" in self._w:
+            self._w["head"]["lm_head"] = self._w["embed"]["embed"]
+        self._nh, self._kvh, self._hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self._scale = 1.0 / math.sqrt(self._hd)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self._hd, 2, dtype=torch.float32) / self._hd))
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self._cos = emb.cos().to(self.device, self.dtype)
+        self._sin = emb.sin().to(self.device, self.dtype)
+
+    @classmethod
+    def partial(cls, cfg: ModelConfig, segments: Iterable[str], device: str | torch.device = "cpu") -> "LlamaModel":
+        """A guest instance holding only ``segments`` (zero weights until :meth:`load_segment`)."""
+        return cls(cfg, device, segments=list(segments))
+
+    # ---------------------------------------------------------------- weights
+    def _empty(self, segment: str) -> dict[str, Tensor]:
+        cfg = self.cfg
+        h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        kind, _ = parse_segment(segment)
+        shapes = {"embed": {"embed": (v, h)},
+                  "attn": {"norm": (h,), "qkv": (qkv, h), "o": (h, cfg.num_attention_heads * cfg.head_dim)},
+                  "mlp": {"norm": (h,), "gate_up": (2 * i, h), "down": (h, i)},
+                  "head": {"norm": (h,), "lm_head": (v, h)}}[kind]
+        return {k: torch.zeros(s, dtype=self.dtype, device=self.device) for k, s in shapes.items()}
+
+    def segment_state_dict(self, name: str) -> dict[str, Tensor]:
+        """Weights of one segment under Hugging Face names (views into this model's tensors)."""
+        w, kind = self._held(name), parse_segment(name)[0]
+        names = list(hf_names(self.cfg, name))
+        if kind == "embed":
+            return {names[0]: w["embed"]}
+        if kind == "head":
+            return {names[0]: w["norm"], names[1]: w["lm_head"]}
+        if kind == "attn":
+            q, kv = self.cfg.num_attention_heads * self.cfg.head_dim, self.cfg.num_key_value_heads * self.cfg.head_dim
+            qkv = w["qkv"]
+            return {names[0]: w["norm"], names[1]: qkv[:q], names[2]: qkv[q:q + kv], names[3]: qkv[q + kv:],
+                    names[4]: w["o"]}
+        i = self.cfg.intermediate_size
+        return {names[0]: w["norm"], names[1]: w["gate_up"][:i], names[2]: w["gate_up"][i:], names[3]: w["down"]}
+
+    def load_segment(self, name: str, tensors: dict[str, Tensor]) -> None:
+        """Install one segment's weights (Hugging Face names); ``ValueError`` naming a missing/mis-shaped tensor."""
+        if name not in self._w:
+            if name not in segment_names(self.cfg.num_hidden_layers):
+                raise KeyError(f"no segment {name!r} in a {self.cfg.num_hidden_layers}-layer model")
+            self._w[name] = self._empty(name)
+            self.segments = [s for s in segment_names(self.cfg.num_hidden_layers) if s in self._w]
+        expected = hf_names(self.cfg, name)
+        for n, shape in expected.items():
+            if n not in tensors:
+                raise ValueError(f"segment {name}: missing tensor {n}")
+            if tuple(tensors[n].shape) != shape:
+                raise ValueError(f"segment {name}: tensor {n} has shape {tuple(tensors[n].shape)}, expected {shape}")
+        extra = set(tensors) - set(expected)
+        if extra:
+            raise ValueError(f"segment {name}: unexpected tensors {sorted(extra)}")
+        with torch.no_grad():
+            for n, dst in self.segment_state_dict(name).items():
+                dst.copy_(tensors[n])
+
+    def drop_segment(self, name: str) -> None:
+        """Release a segment's weights (a guest evicting staged weights)."""
+        self._w.pop(name, None)
+        self.segments = [s for s in self.segments if s != name]
+
+    def segment_weight_bytes(self, name: str) -> int:
+        return sum(t.numel() * t.element_size() for t in self._held(name).values())
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights held here (a tied embedding counted once)."""
+        seen: dict[int, int] = {}
+        for s in self.segments:
+            for t in self._w[s].values():
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    def attn_layers(self) -> list[int]:
+        return [parse_segment(s)[1] for s in self.segments if s.startswith("attn[")]  # type: ignore[misc]
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """A paged KV cache for the attention layers held here."""
+        return PagedKVCache(self.cfg, num_blocks, block_size, layers=self.attn_layers(), device=self.device,
+                            dtype=self.dtype)
+
+    def _held(self, name: str) -> dict[str, Tensor]:
+        try:
+            return self._w[name]
+        except KeyError:
+            raise KeyError(f"segment {name!r} is not held by this model (held: {', '.join(self.segments)})") from None
+
+    # ---------------------------------------------------------------- segment execution
+    def run_segment(self, name: str, hidden: Tensor, ctx: BatchContext | None = None) -> Tensor:
+        """Run one segment: embed takes token ids [T]; attn/mlp map hidden [T, h] to [T, h]; head gives logits."""
+        w = self._held(name)
+        kind = name[0]
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self._dispatch(kind, name, w, hidden, ctx)
+        return self._dispatch(kind, name, w, hidden, ctx)
+
+    def _dispatch(self, kind: str, name: str, w: dict[str, Tensor], hidden: Tensor, ctx: BatchContext | None):
+        if kind == "m":
+            return self._mlp(w, hidden)
+        if kind == "a":
+            if ctx is None or ctx.kv is None:
+                raise ValueError(f"{name} needs a BatchContext with a KV cache")
+            return self._attn(int(name[5:-1]), w, hidden, ctx)
+        if kind == "e":
+            return F.embedding(hidden, w["embed"])
+        return F.linear(self._rmsnorm(hidden, w["norm"]), w["lm_head"]).float()
+
+    def _rmsnorm(self, x: Tensor, weight: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps) * weight
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _mlp(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
+        gu = F.linear(self._rmsnorm(x, w["norm"]), w["gate_up"])
+        i = self.cfg.intermediate_size
+        return x + F.linear(F.silu(gu[:, :i]) * gu[:, i:], w["down"])
+
+    def _attn(self, layer: int, w: dict[str, Tensor], x: Tensor, ctx: BatchContext) -> Tensor:
+        nh, kvh, hd = self._nh, self._kvh, self._hd
+        t = x.shape[0]
+        qkv = F.linear(self._rmsnorm(x, w["norm"]), w["qkv"]).view(t, nh + 2 * kvh, hd)
+        cos = ctx.rope.get("cos")
+        if cos is None:
+            cos = ctx.rope["cos"] = self._cos[ctx.positions].unsqueeze(1)
+            ctx.rope["sin"] = self._sin[ctx.positions].unsqueeze(1)
+        sin = ctx.rope["sin"]
+        qk = qkv[:, :nh + kvh]
+        half = hd // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos + rotated * sin
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:]
+        kc, vc = ctx.kv.k[layer], ctx.kv.v[layer]  # type: ignore[union-attr]
+        kc.index_copy_(0, ctx.slot_mapping, k)
+        vc.index_copy_(0, ctx.slot_mapping, v)
+        g = nh // kvh
+        parts: list[Tensor] = []
+        if ctx.n_decode:
+            d = ctx.n_decode
+            keys, vals = kc[ctx.decode_gather], vc[ctx.decode_gather]  # [D, L, kvh, hd]
+            s = torch.matmul(q[:d].reshape(d, kvh, g, hd), keys.permute(0, 2, 3, 1))  # [D, kvh, g, L]
+            p = self._softmax(s, ctx.decode_bias)
+            parts.append(torch.matmul(p, vals.transpose(1, 2)).reshape(d, nh * hd))
+        for pf in ctx.prefills:
+            qp = q[pf.row:pf.row + pf.n].reshape(pf.n, kvh, g, hd).permute(1, 2, 0, 3)  # [kvh, g, n, hd]
+            keys, vals = kc[pf.gather], vc[pf.gather]  # [L, kvh, hd]
+            s = torch.matmul(qp, keys.permute(1, 2, 0).unsqueeze(1))  # [kvh, g, n, L]
+            p = self._softmax(s, pf.bias)
+            o = torch.matmul(p, vals.transpose(0, 1).unsqueeze(1))  # [kvh, g, n, hd]
+            parts.append(o.permute(2, 0, 1, 3).reshape(pf.n, nh * hd))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return x + F.linear(attn, w["o"])
+
+    def _softmax(self, scores: Tensor, bias: Tensor | None) -> Tensor:
+        if scores.dtype != torch.float32:
+            s = scores.float() * self._scale
+            return (s if bias is None else s + bias).softmax(-1).to(scores.dtype)
+        s = scores * self._scale
+        return (s if bias is None else s + bias).softmax(-1)
+
+    # ---------------------------------------------------------------- reference
+    def forward_reference(self, token_ids: Tensor | list[int]) -> Tensor:
+        """Logits [T, vocab] (or [B, T, vocab]) by full causal attention, no cache, unfused weights.
+
+        Written independently of the segment path (complex-number RoPE, repeated KV heads) to test it.
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        squeeze = ids.dim() == 1
+        ids = ids.unsqueeze(0) if squeeze else ids
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        b, t = ids.shape
+
+        def norm(x: Tensor, wt: Tensor) -> Tensor:
+            xf = x.float()
+            return wt * (xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+        pos = torch.arange(t, dtype=torch.float64)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        rot = torch.polar(torch.ones(t, hd // 2, dtype=torch.float64), torch.outer(pos, inv)).to(torch.complex64)
+
+        def rope(x: Tensor) -> Tensor:  # x [b, heads, t, hd]; pairs (j, j + hd/2)
+            xc = torch.complex(x[..., :hd // 2].float(), x[..., hd // 2:].float()) * rot.to(x.device)
+            return torch.cat([xc.real, xc.imag], dim=-1).to(x.dtype)
+
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        with torch.inference_mode():
+            x = self.segment_state_dict("embed")["model.embed_tokens.weight"][ids]
+            for layer in range(cfg.num_hidden_layers):
+                a = dict(zip(("n", "q", "k", "v", "o"), self.segment_state_dict(f"attn[{layer}]").values()))
+                hn = norm(x, a["n"])
+                q = (hn @ a["q"].T).view(b, t, nh, hd).transpose(1, 2)
+                k = (hn @ a["k"].T).view(b, t, kvh, hd).transpose(1, 2)
+                v = (hn @ a["v"].T).view(b, t, kvh, hd).transpose(1, 2)
+                q, k = rope(q), rope(k)
+                k, v = k.repeat_interleave(nh // kvh, dim=1), v.repeat_interleave(nh // kvh, dim=1)
+                sc = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(hd)
+                pr = sc.masked_fill(~causal, float("-inf")).softmax(-1).to(x.dtype)
+                o = (pr @ v).transpose(1, 2).reshape(b, t, nh * hd)
+                x = x + o @ a["o"].T
+                m = dict(zip(("n", "g", "u", "d"), self.segment_state_dict(f"mlp[{layer}]").values()))
+                hn = norm(x, m["n"])
+                x = x + (F.silu(hn @ m["g"].T) * (hn @ m["u"].T)) @ m["d"].T
+            hw = self.segment_state_dict("head")
+            logits = (norm(x, hw["model.norm.weight"]) @ hw["lm_head.weight"].T).float()
+        return logits[0] if squeeze else logits

@@ -28,7 +28,7 @@ class PrefillGroup:
 
     row: int
     n: int
-    gather: torch.Tensor  # [L] slot indices
+    gather: torch.Tensor | slice  # [L] slot indices, or the slot range when the sequence's blocks are consecutive
     bias: torch.Tensor | None  # [n, L] additive causal mask (None when n == 1)
 
 
@@ -39,9 +39,9 @@ class BatchContext:
     kv: PagedKVCache | None
     chunks: list[SeqChunk]
     positions: torch.Tensor  # [T] long
-    slot_mapping: torch.Tensor  # [T] long: where each row's K/V is written
+    slot_mapping: torch.Tensor | slice  # [T] long: where each row's K/V is written (a range for one chunk)
     n_decode: int = 0
-    decode_gather: torch.Tensor | None = None  # [D, Lmax] slot indices
+    decode_gather: torch.Tensor | slice | None = None  # [D, Lmax] slot indices (a range for one sequence)
     decode_bias: torch.Tensor | None = None  # [D, 1, 1, Lmax] additive mask; None when all lengths are equal
     prefills: list[PrefillGroup] = field(default_factory=list)
     rope: dict = field(default_factory=dict)  # filled by the model: cos/sin rows for ``positions``
@@ -72,10 +72,13 @@ def build_context(kv: PagedKVCache, chunks: list[SeqChunk]) -> BatchContext:
     n_dec = 0
     while n_dec < len(chunks) and chunks[n_dec].length == 1:
         n_dec += 1
+    starts = [kv.contiguous_start(c.seq_id) for c in chunks]
     if len(chunks) == 1:
         c = chunks[0]
         positions = torch.arange(c.start, c.start + c.length, device=device)
-        slot_mapping = slot_rows[0][c.start:c.start + c.length]
+        s0 = starts[0]
+        slot_mapping = slot_rows[0][c.start:c.start + c.length] if s0 is None else \
+            slice(s0 + c.start, s0 + c.start + c.length)
     else:
         positions = torch.cat([torch.arange(c.start, c.start + c.length) for c in chunks]).to(device)
         slot_mapping = torch.cat([s[c.start:c.start + c.length] for c, s in zip(chunks, slot_rows)])
@@ -83,7 +86,9 @@ def build_context(kv: PagedKVCache, chunks: list[SeqChunk]) -> BatchContext:
     if n_dec:
         lens = [chunks[i].start + 1 for i in range(n_dec)]
         lmax = max(lens)
-        if min(lens) == lmax:
+        if n_dec == 1 and starts[0] is not None:
+            ctx.decode_gather = slice(starts[0], starts[0] + lmax)
+        elif min(lens) == lmax:
             ctx.decode_gather = torch.stack([slot_rows[i][:lmax] for i in range(n_dec)])
         else:
             gather = torch.zeros(n_dec, lmax, dtype=torch.long, device=device)
@@ -93,13 +98,14 @@ def build_context(kv: PagedKVCache, chunks: list[SeqChunk]) -> BatchContext:
                 bias[i, ..., n:] = float("-inf")
             ctx.decode_gather, ctx.decode_bias = gather, bias
     row = sum(c.length for c in chunks[:n_dec])
-    for c, slots in zip(chunks[n_dec:], slot_rows[n_dec:]):
+    for c, slots, s0 in zip(chunks[n_dec:], slot_rows[n_dec:], starts[n_dec:]):
         ctx_len = c.start + c.length
         bias = None
         if c.length > 1:
             q_pos = torch.arange(c.start, ctx_len, device=device).unsqueeze(1)
             k_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
             bias = torch.zeros(c.length, ctx_len, device=device).masked_fill_(k_pos > q_pos, float("-inf"))
-        ctx.prefills.append(PrefillGroup(row=row, n=c.length, gather=slots[:ctx_len], bias=bias))
+        gather = slots[:ctx_len] if s0 is None else slice(s0, s0 + ctx_len)
+        ctx.prefills.append(PrefillGroup(row=row, n=c.length, gather=gather, bias=bias))
         row += c.length
     return ctx

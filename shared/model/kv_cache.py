@@ -117,6 +117,13 @@ class PagedKVCache:
         self._slot_cache.pop(seq, None)
         return self.allocator.free(seq)
 
+    def contiguous_start(self, seq: str) -> int | None:
+        """First slot of ``seq`` when its blocks are consecutive (its slots are one range), else None."""
+        table = self.allocator.block_table(seq)
+        if table[-1] - table[0] == len(table) - 1 and all(b == table[0] + i for i, b in enumerate(table)):
+            return table[0] * self.block_size
+        return None
+
     def seq_slots(self, seq: str) -> torch.Tensor:
         """Slot index of every position ``seq`` holds blocks for, as a long tensor (memoized)."""
         slots = self._slot_cache.get(seq)

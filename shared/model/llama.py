@@ -39,6 +39,15 @@ def hf_names(cfg: ModelConfig, segment: str) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
 
 
+def _take(cache: Tensor, idx: Tensor | slice, rows: int = 0) -> Tensor:
+    """Rows of a KV cache: a view for a contiguous slot range, else a gather (``rows``: batch the result)."""
+    if isinstance(idx, slice):
+        out = cache[idx]
+        return out.unsqueeze(0) if rows else out
+    out = cache.index_select(0, idx.reshape(-1))
+    return out.view(rows, -1, *cache.shape[1:]) if rows else out
+
+
 class LlamaModel:
     """A Llama decoder holding the weights of all (or, for a guest, some) segments."""
 
@@ -84,14 +93,16 @@ class LlamaModel:
         h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
         kind, _ = parse_segment(segment)
+        # matrices are stored [in, out] (x @ w): faster than [out, in] for the small-batch decode GEMMs on CPU
         shapes = {"embed": {"embed": (v, h)},
-                  "attn": {"norm": (h,), "qkv": (qkv, h), "o": (h, cfg.num_attention_heads * cfg.head_dim)},
-                  "mlp": {"norm": (h,), "gate_up": (2 * i, h), "down": (h, i)},
-                  "head": {"norm": (h,), "lm_head": (v, h)}}[kind]
+                  "attn": {"norm": (h,), "qkv": (h, qkv), "o": (cfg.num_attention_heads * cfg.head_dim, h)},
+                  "mlp": {"norm": (h,), "gate_up": (h, 2 * i), "down": (i, h)},
+                  "head": {"norm": (h,), "lm_head": (v, h)}}[kind]  # [v, h]: may be the tied embedding
         return {k: torch.zeros(s, dtype=self.dtype, device=self.device) for k, s in shapes.items()}
 
     def segment_state_dict(self, name: str) -> dict[str, Tensor]:
-        """Weights of one segment under Hugging Face names (views into this model's tensors)."""
+        """Weights of one segment under Hugging Face names and shapes (views into this model's tensors,
+        not necessarily contiguous)."""
         w, kind = self._held(name), parse_segment(name)[0]
         names = list(hf_names(self.cfg, name))
         if kind == "embed":
@@ -100,11 +111,12 @@ class LlamaModel:
             return {names[0]: w["norm"], names[1]: w["lm_head"]}
         if kind == "attn":
             q, kv = self.cfg.num_attention_heads * self.cfg.head_dim, self.cfg.num_key_value_heads * self.cfg.head_dim
-            qkv = w["qkv"]
+            qkv = w["qkv"].t()
             return {names[0]: w["norm"], names[1]: qkv[:q], names[2]: qkv[q:q + kv], names[3]: qkv[q + kv:],
-                    names[4]: w["o"]}
+                    names[4]: w["o"].t()}
         i = self.cfg.intermediate_size
-        return {names[0]: w["norm"], names[1]: w["gate_up"][:i], names[2]: w["gate_up"][i:], names[3]: w["down"]}
+        gu = w["gate_up"].t()
+        return {names[0]: w["norm"], names[1]: gu[:i], names[2]: gu[i:], names[3]: w["down"].t()}
 
     def load_segment(self, name: str, tensors: dict[str, Tensor]) -> None:
         """Install one segment's weights (Hugging Face names); ``ValueError`` naming a missing/mis-shaped tensor."""
@@ -186,18 +198,18 @@ class LlamaModel:
         return weight * xf.to(x.dtype)
 
     def _mlp(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
-        gu = F.linear(self._rmsnorm(x, w["norm"]), w["gate_up"])
+        gu = self._rmsnorm(x, w["norm"]) @ w["gate_up"]
         i = self.cfg.intermediate_size
-        return x + F.linear(F.silu(gu[:, :i]) * gu[:, i:], w["down"])
+        return x + (F.silu(gu[:, :i]) * gu[:, i:]) @ w["down"]
 
     def _attn(self, layer: int, w: dict[str, Tensor], x: Tensor, ctx: BatchContext) -> Tensor:
         nh, kvh, hd = self._nh, self._kvh, self._hd
         t = x.shape[0]
-        qkv = F.linear(self._rmsnorm(x, w["norm"]), w["qkv"]).view(t, nh + 2 * kvh, hd)
+        qkv = (self._rmsnorm(x, w["norm"]) @ w["qkv"]).view(t, nh + 2 * kvh, hd)
         cos = ctx.rope.get("cos")
         if cos is None:
-            cos = ctx.rope["cos"] = self._cos[ctx.positions].unsqueeze(1)
-            ctx.rope["sin"] = self._sin[ctx.positions].unsqueeze(1)
+            cos = ctx.rope["cos"] = self._cos.index_select(0, ctx.positions).unsqueeze(1)
+            ctx.rope["sin"] = self._sin.index_select(0, ctx.positions).unsqueeze(1)
         sin = ctx.rope["sin"]
         qk = qkv[:, :nh + kvh]
         half = hd // 2
@@ -205,25 +217,29 @@ class LlamaModel:
         qk = qk * cos + rotated * sin
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:]
         kc, vc = ctx.kv.k[layer], ctx.kv.v[layer]  # type: ignore[union-attr]
-        kc.index_copy_(0, ctx.slot_mapping, k)
-        vc.index_copy_(0, ctx.slot_mapping, v)
+        if isinstance(ctx.slot_mapping, slice):
+            kc[ctx.slot_mapping] = k
+            vc[ctx.slot_mapping] = v
+        else:
+            kc.index_copy_(0, ctx.slot_mapping, k)
+            vc.index_copy_(0, ctx.slot_mapping, v)
         g = nh // kvh
         parts: list[Tensor] = []
         if ctx.n_decode:
             d = ctx.n_decode
-            keys, vals = kc[ctx.decode_gather], vc[ctx.decode_gather]  # [D, L, kvh, hd]
+            keys, vals = _take(kc, ctx.decode_gather, d), _take(vc, ctx.decode_gather, d)  # [D, L, kvh, hd]
             s = torch.matmul(q[:d].reshape(d, kvh, g, hd), keys.permute(0, 2, 3, 1))  # [D, kvh, g, L]
             p = self._softmax(s, ctx.decode_bias)
             parts.append(torch.matmul(p, vals.transpose(1, 2)).reshape(d, nh * hd))
         for pf in ctx.prefills:
             qp = q[pf.row:pf.row + pf.n].reshape(pf.n, kvh, g, hd).permute(1, 2, 0, 3)  # [kvh, g, n, hd]
-            keys, vals = kc[pf.gather], vc[pf.gather]  # [L, kvh, hd]
+            keys, vals = _take(kc, pf.gather), _take(vc, pf.gather)  # [L, kvh, hd]
             s = torch.matmul(qp, keys.permute(1, 2, 0).unsqueeze(1))  # [kvh, g, n, L]
             p = self._softmax(s, pf.bias)
             o = torch.matmul(p, vals.transpose(0, 1).unsqueeze(1))  # [kvh, g, n, hd]
             parts.append(o.permute(2, 0, 1, 3).reshape(pf.n, nh * hd))
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return x + F.linear(attn, w["o"])
+        return x + attn @ w["o"]
 
     def _softmax(self, scores: Tensor, bias: Tensor | None) -> Tensor:
         if scores.dtype != torch.float32:

@@ -1,0 +1,162 @@
+"""This gateway's tokens stream: one XREAD BLOCK loop that routes TokenChunk / RequestError entries to the
+per-request queues of the requests this instance is serving.
+
+The stream belongs to one gateway instance, so it is read without a consumer group: entries already read are
+trimmed, and the stream gets a TTL so it disappears if the instance dies. Chunks are delivered in ``seq`` order;
+duplicates (re-delivery, re-execution) are dropped; entries for unknown requests or from another tenant are ignored.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+
+from shared.codec import DecodeError, decode
+from shared.messages import RequestError, TokenChunk, TokensMsg
+from shared.redis_util import REDIS_ERRORS
+from shared.streams import entry_payload
+
+log = structlog.get_logger()
+
+MAX_BUFFERED = 4096  # out-of-order chunks held per request before the request is failed
+STREAM_TTL_S = 3600
+
+
+@dataclass
+class PendingRequest:
+    """A request waiting for its tokens; the handler reads ``queue``."""
+
+    request_id: str
+    tenant: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    next_seq: int = 0
+    buffer: dict[int, TokenChunk] = field(default_factory=dict)
+
+
+class TokenRouter:
+    """Reads ``stream`` and hands each entry to the matching :class:`PendingRequest`."""
+
+    def __init__(self, *, cmd: aioredis.Redis, blocking: aioredis.Redis, stream: str, block_ms: int = 1000,
+                 fail_pending_after_s: float = 10.0) -> None:
+        self.cmd, self.blocking, self.stream = cmd, blocking, stream
+        self.block_ms = block_ms
+        self.fail_pending_after_s = fail_pending_after_s
+        self.last_id = "0-0"
+        self._pending: dict[str, PendingRequest] = {}
+        self.duplicates = self.unknown = self.foreign = self.undecodable = self.read_errors = 0
+
+    # ------------------------------------------------------------ registry
+    def register(self, request_id: str, tenant: str) -> PendingRequest:
+        p = self._pending[request_id] = PendingRequest(request_id, tenant)
+        return p
+
+    def unregister(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------ routing (no I/O)
+    def dispatch(self, msg: TokenChunk | RequestError) -> None:
+        p = self._pending.get(msg.request_id)
+        if p is None:
+            self.unknown += 1
+            return
+        if msg.tenant != p.tenant:  # a request id belongs to its tenant
+            self.foreign += 1
+            log.warning("token_entry_foreign_tenant", request_id=msg.request_id, entry_tenant=msg.tenant,
+                        owner_tenant=p.tenant)
+            return
+        if isinstance(msg, RequestError):
+            p.queue.put_nowait(msg)
+            return
+        if msg.seq < p.next_seq or msg.seq in p.buffer:
+            self.duplicates += 1
+            return
+        if len(p.buffer) >= MAX_BUFFERED:
+            log.error("token_gap_unfilled", request_id=p.request_id, expected_seq=p.next_seq)
+            p.queue.put_nowait(RequestError(msg_id=f"gap-{p.request_id}", request_id=p.request_id, tenant=p.tenant,
+                                            status=502, code="stream_gap",
+                                            message="token chunks were lost between worker and gateway",
+                                            retryable=True))
+            return
+        p.buffer[msg.seq] = msg
+        while p.next_seq in p.buffer:
+            p.queue.put_nowait(p.buffer.pop(p.next_seq))
+            p.next_seq += 1
+
+    def fail_all(self, status: int, code: str, message: str) -> None:
+        """Deliver an error to every pending request (the stream cannot be read)."""
+        for p in list(self._pending.values()):
+            p.queue.put_nowait(RequestError(msg_id=f"fail-{p.request_id}", request_id=p.request_id, tenant=p.tenant,
+                                            status=status, code=code, message=message, retryable=True))
+
+    def handle_entry(self, entry_id: str, fields: dict) -> None:
+        self.last_id = entry_id
+        raw = entry_payload(fields)
+        try:
+            msg = decode(raw, TokensMsg) if raw is not None else None
+        except DecodeError as e:
+            msg = None
+            log.warning("token_entry_undecodable", entry_id=entry_id, error=str(e)[:200])
+        if msg is None:
+            self.undecodable += 1
+            return
+        self.dispatch(msg)
+
+    # ------------------------------------------------------------ loops
+    async def run(self, stop: asyncio.Event) -> None:
+        """XREAD BLOCK until ``stop``; on Redis trouble retry, and fail pending requests if it lasts."""
+        failing_since: float | None = None
+        while not stop.is_set():
+            try:
+                resp = await self.blocking.xread({self.stream: self.last_id}, count=256, block=self.block_ms)
+                failing_since = None
+            except REDIS_ERRORS as e:
+                self.read_errors += 1
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("tokens_read_error", stream=self.stream, error=repr(e))
+                elif now - failing_since > self.fail_pending_after_s and self._pending:
+                    log.error("tokens_stream_unreadable", stream=self.stream, pending=len(self._pending))
+                    self.fail_all(503, "redis_unavailable", "the gateway lost its connection to Redis")
+                    failing_since = now
+                await _sleep(stop, 0.5)
+                continue
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                    try:
+                        self.handle_entry(eid, fields)
+                    except Exception:  # one bad entry never stops the loop
+                        log.exception("token_entry_failed", entry_id=eid)
+
+    async def housekeeping_loop(self, stop: asyncio.Event, interval_s: float = 5.0) -> None:
+        """Trim entries already read and keep a TTL on the stream (it dies with this instance)."""
+        while not stop.is_set():
+            await _sleep(stop, interval_s)
+            try:
+                pipe = self.cmd.pipeline(transaction=False)
+                if self.last_id != "0-0":
+                    pipe.xtrim(self.stream, minid=self.last_id, approximate=False)
+                pipe.expire(self.stream, STREAM_TTL_S)
+                await pipe.execute()
+            except REDIS_ERRORS as e:
+                log.debug("tokens_housekeeping_failed", error=repr(e))
+
+    async def delete_stream(self) -> None:
+        try:
+            await self.cmd.delete(self.stream)
+        except REDIS_ERRORS:
+            pass
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass

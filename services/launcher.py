@@ -1,0 +1,196 @@
+"""Process launcher behind ``slicesched up``: a private Redis (or ``REDIS_URL``), then every service as its own
+process; waits until all report healthy; restarts a crashed service with backoff; stops everything on
+Ctrl-C/SIGTERM (services drain first, Redis last). Children get SIGTERM if the launcher itself dies."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis as syncredis
+
+from shared.config import ClusterConfig
+from shared.procutil import RedisServer, free_port
+from shared.service import health_key
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    service: str
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        logf.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Launcher:
+    """Starts and supervises the mesh on one machine."""
+
+    def __init__(self, cluster: ClusterConfig, *, cluster_file: str, tenants_file: str, data_dir: Path,
+                 gateway_host: str = "127.0.0.1", gateway_port: int = 8000, prefix: str = "slicesched:",
+                 policy: str = "container", redis_url: str | None = None, log_format: str = "json",
+                 extra_env: dict[str, str] | None = None, out=sys.stdout) -> None:
+        self.cluster, self.data_dir, self.prefix = cluster, data_dir, prefix
+        self.cluster_file, self.tenants_file = cluster_file, tenants_file
+        self.gateway_host = gateway_host
+        self.gateway_port = gateway_port or free_port(gateway_host)
+        self.policy, self.log_format, self.out = policy, log_format, out
+        self.redis_url = redis_url
+        self.redis_server: RedisServer | None = None
+        self.children: list[Child] = []
+        self.extra_env = extra_env or {}
+        self._stopping = False
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.gateway_host}:{self.gateway_port}"
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"REDIS_URL": self.redis_url or "", "SLICESCHED_PREFIX": self.prefix,
+                    "SLICESCHED_CLUSTER": self.cluster_file, "SLICESCHED_TENANTS": self.tenants_file,
+                    "SLICESCHED_LOG_FORMAT": self.log_format, "SLICESCHED_GATEWAY_HOST": self.gateway_host,
+                    "SLICESCHED_GATEWAY_PORT": str(self.gateway_port), "SLICESCHED_METRICS_PORT": "0",
+                    "SLICESCHED_POLICY": self.policy, "PYTHONUNBUFFERED": "1"})
+        env.update(self.extra_env)
+        return env
+
+    def plan(self) -> list[Child]:
+        py, env, logs = sys.executable, self._env(), self.data_dir / "logs"
+        kids = [Child("gmg", "gmg", [py, "-m", "services.gmg"], env, logs / "gmg.log"),
+                Child("simulator", "simulator", [py, "-m", "services.simulator"], env, logs / "simulator.log"),
+                Child("scheduler", "scheduler-0", [py, "-m", "services.scheduler"], env, logs / "scheduler.log")]
+        emulated = [d.id for d in self.cluster.devices if d.backend == "emulated"]
+        for d in self.cluster.devices:
+            if d.backend != "emulated":
+                kids.append(Child("worker", d.id, [py, "-m", "services.worker", "--device", d.id], env,
+                                  logs / f"worker-{d.id}.log"))
+        if emulated:
+            kids.append(Child("worker", "emulated", [py, "-m", "services.worker.emulated", "--devices",
+                                                     ",".join(emulated)], env, logs / "worker-emulated.log"))
+        kids.append(Child("gateway", "gateway", [py, "-m", "services.gateway"], env, logs / "gateway.log"))
+        return kids
+
+    # ------------------------------------------------------------ start / wait / stop
+    def start(self, timeout_s: float = 180.0) -> None:
+        if not self.redis_url:
+            self.redis_server = RedisServer(self.data_dir / "redis").start()
+            self.redis_url = self.redis_server.url
+        self.children = self.plan()
+        for c in self.children:
+            c.start()
+        self.wait_healthy(timeout_s)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        r = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                dead = [c for c in self.children if not c.alive()]
+                if dead:
+                    c = dead[0]
+                    raise RuntimeError(f"service {c.name} exited with code {c.proc.returncode} during start-up; "
+                                       f"last log lines ({c.log_path}):\n{c.tail()}")
+                waiting = [c for c in self.children if not self._healthy(r, c)]
+                if not waiting:
+                    return
+                time.sleep(0.2)
+            names = ", ".join(c.name for c in self.children if not self._healthy(r, c))
+            raise RuntimeError(f"services not healthy after {timeout_s:.0f} s: {names}")
+        finally:
+            r.close()
+
+    def _healthy(self, r: syncredis.Redis, c: Child) -> bool:
+        if c.service == "gateway":
+            try:
+                with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=1) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+        names = [c.name] if c.name != "emulated" else [d.id for d in self.cluster.devices if d.backend == "emulated"]
+        for n in names:
+            try:
+                if r.hget(health_key(self.prefix, c.service, n), "ready") != b"1":
+                    return False
+            except syncredis.RedisError:
+                return False
+        return True
+
+    def supervise_once(self) -> None:
+        """Restart services that died (at most 5 times a minute each)."""
+        for c in self.children:
+            if self._stopping or c.alive():
+                continue
+            now = time.time()
+            c.restarts = [t for t in c.restarts if now - t < 60]
+            if len(c.restarts) >= 5:
+                continue
+            c.restarts.append(now)
+            print(f"slicesched: {c.name} exited with code {c.proc.returncode if c.proc else '?'}; restarting",
+                  file=sys.stderr, flush=True)
+            c.start()
+
+    def stop(self, drain_s: float = 20.0) -> None:
+        self._stopping = True
+        order = [c for c in self.children if c.service == "gateway"] + \
+                [c for c in self.children if c.service == "worker"] + \
+                [c for c in self.children if c.service not in ("gateway", "worker")]
+        for group in (order[:1], order[1:]):
+            for c in group:
+                if c.alive():
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + drain_s
+            for c in group:
+                if c.proc is None:
+                    continue
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait(timeout=5)
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+    def banner(self, dev_keys: dict[str, list[str]]) -> str:
+        lines = [f"SliceScheduler is up: gateway {self.gateway_url}  (Ctrl-C stops everything)",
+                 f"  redis: {self.redis_url}  prefix: {self.prefix}  policy: {self.policy}",
+                 f"  logs:  {self.data_dir / 'logs'}"]
+        for t, keys in dev_keys.items():
+            for k in keys:
+                lines.append(f"  tenant {t}: model {t!r}, dev API key {k}")
+        lines.append(f"  try: curl -s {self.gateway_url}/v1/completions -H 'Authorization: Bearer "
+                     f"{next(iter(next(iter(dev_keys.values()), [''])), '')}' -H 'Content-Type: application/json' "
+                     f"-d '{{\"model\": \"{next(iter(dev_keys), '')}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'")
+        lines.append(f"SLICESCHED_READY gateway={self.gateway_url} redis={self.redis_url}")
+        return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""``python -m services.scheduler``: build config, set up logging, run the scheduler service."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from shared.config import ConfigError, Settings, load_cluster, load_tenants
+from shared.logging import setup_logging
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m services.scheduler")
+    ap.add_argument("--policy", default=os.environ.get("SLICESCHED_POLICY", "container"))
+    args = ap.parse_args()
+    try:
+        settings = Settings.from_env()
+        cluster = load_cluster(settings.cluster_file)
+        tenants = load_tenants(settings.tenants_file, cluster)
+    except ConfigError as e:
+        print(f"scheduler: config error: {e}", file=sys.stderr)
+        return 2
+    setup_logging("scheduler", settings.log_format, settings.log_level)
+    from services.scheduler.policy import load_live_policy
+    from services.scheduler.service import SchedulerService
+
+    try:
+        policy = load_live_policy(args.policy)
+    except (KeyError, ValueError) as e:
+        print(f"scheduler: --policy: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(SchedulerService(settings, cluster, tenants, policy).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Scheduler service shell: consumes the requests and events streams, places requests through the GMG's atomic
+memory commits, forwards them to workers, cancels, and fails requests of dead workers."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+from prometheus_client import Counter, Gauge, Histogram
+
+from shared.config import ClusterConfig, Settings, TenantsConfig
+from shared.gmg import GMGStore, Refused, Reservation
+from shared.messages import (GROUP_SCHEDULER, AssignRequest, CancelAssigned, CancelRequest, EventsMsg,
+                             InferenceRequest, RequestError, RequestFinished, RequestsMsg, WorkerHeartbeat,
+                             dead_stream, events_stream, requests_stream, tokens_stream, worker_stream)
+from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
+from shared.requests_state import TERMINAL_STATES, TERMINAL_TTL_S, assigned_key, req_key, tenant_stats_key
+from shared.service import ServiceShell, run_tasks
+from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
+from services.scheduler.core import DeviceView, Pending, SchedulerCore
+
+log = structlog.get_logger()
+
+HEARTBEAT_STALE_S = 3.0
+TOKENS_MAXLEN = 200_000
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings, cluster: ClusterConfig, tenants: TenantsConfig, policy,
+                 name: str = "scheduler-0") -> None:
+        self.s, self.cluster, self.tenants = settings, cluster, tenants
+        self.p = settings.prefix
+        self.name = name
+        self.core = SchedulerCore(cluster, tenants, policy)
+        self.redis = command_client(settings.redis_url, name=f"{name}-cmd")
+        self.gmg = GMGStore(self.redis, self.p)
+        self.producer = StreamProducer(self.redis)
+        self.shell = ServiceShell("scheduler", name, prefix=self.p, redis=self.redis)
+        self.devices: dict[str, DeviceView] = {}
+        self.assigned: dict[str, tuple[str, InferenceRequest, str]] = {}  # request_id -> (device, req, worker_id)
+        self.wake = asyncio.Event()
+        self._blocking: list = []
+        reg = self.shell.registry
+        self.m_decision = Histogram("slicesched_scheduler_decision_seconds", "Time to place one request",
+                                    registry=reg, buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .5))
+        self.m_queue = Gauge("slicesched_queue_depth", "Requests queued in the scheduler", ["tenant"], registry=reg)
+        self.m_admitted = Counter("slicesched_scheduler_admitted_total", "Requests placed", ["tenant", "device"],
+                                  registry=reg)
+        self.m_failed = Counter("slicesched_scheduler_failed_total", "Requests failed by the scheduler",
+                                ["tenant", "code"], registry=reg)
+
+    # ------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        self.shell.install_signal_handlers()
+        await self.shell.serve_http("127.0.0.1" if self.s.gateway_host == "127.0.0.1" else "0.0.0.0",
+                                    self.s.metrics_port)
+        log.info("metrics_listening", port=self.shell.port)
+        await self._wait_redis()
+        await self._restore()
+        req_consumer = self._consumer(requests_stream(self.p), RequestsMsg, self._on_request)
+        ev_consumer = self._consumer(events_stream(self.p), EventsMsg, self._on_event)
+        self.shell.ready = True
+        log.info("scheduler_ready", policy=getattr(self.core.policy, "registry_name", "?"))
+        try:
+            await run_tasks(self.shell, req_consumer.run(self.shell.stop), req_consumer.reclaim_loop(self.shell.stop),
+                            ev_consumer.run(self.shell.stop), self._placement_loop(), self._device_loop(),
+                            self.shell.heartbeat_loop())
+        finally:
+            await self.shell.close_http()
+            await close_quietly(self.redis, *self._blocking)
+
+    def _consumer(self, stream: str, types, handler) -> StreamConsumer:
+        b = blocking_client(self.s.redis_url, block_ms=1000, name=f"{self.name}-blk")
+        self._blocking.append(b)
+        return StreamConsumer(cmd=self.redis, blocking=b, stream=stream, group=GROUP_SCHEDULER, consumer=self.name,
+                              types=types, handler=handler, dead_stream=dead_stream(self.p), on_dead=self._on_dead,
+                              min_idle_ms=60_000)
+
+    async def _wait_redis(self) -> None:
+        while not self.shell.stop.is_set():
+            try:
+                await self.redis.ping()
+                return
+            except REDIS_ERRORS:
+                await asyncio.sleep(0.2)
+
+    async def _restore(self) -> None:
+        """After a restart: rebuild the assigned map from Redis (queued requests come back from our PEL)."""
+        for d in self.cluster.devices:
+            for rid in await self.redis.smembers(assigned_key(self.p, d.id)):
+                rid = rid.decode()
+                h = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(req_key(self.p, rid))).items()}
+                if not h or h.get("state") in TERMINAL_STATES:
+                    await self.redis.srem(assigned_key(self.p, d.id), rid)
+                    continue
+                req = InferenceRequest(msg_id="restored", request_id=rid, tenant=h.get("tenant", ""),
+                                       gateway=h.get("gateway", ""), prompt_ids=[], max_tokens=0)
+                self.assigned[rid] = (d.id, req, h.get("worker_id", ""))
+        if self.assigned:
+            log.info("scheduler_restored", assigned=len(self.assigned))
+
+    # ------------------------------------------------------------ requests stream
+    async def _on_request(self, d: Delivery) -> str:
+        msg = d.msg
+        if isinstance(msg, CancelRequest):
+            await self._cancel(msg)
+            return ACK
+        req: InferenceRequest = msg
+        if req.tenant not in self.core.queues.bounds:
+            await self._fail(req, 400, "unknown_tenant", f"tenant {req.tenant!r} is not configured", state="rejected")
+            return ACK
+        if req.request_id in self.assigned or self.core.queues.find(req.request_id):
+            return DEFER if self.core.queues.find(req.request_id) else ACK  # duplicate delivery
+        created = await self.redis.hsetnx(req_key(self.p, req.request_id), "state", "queued")
+        if not created:
+            state = await self.redis.hget(req_key(self.p, req.request_id), "state")
+            if state and state.decode() != "queued":
+                return ACK  # already handled before a restart (or a duplicate XADD)
+        await self.redis.hset(req_key(self.p, req.request_id), mapping={
+            "tenant": req.tenant, "gateway": req.gateway, "queued_ts": time.time(),
+            "prompt_tokens": len(req.prompt_ids), "max_tokens": req.max_tokens})
+        p = self.core.pending_for(req, d.entry_id, time.time())
+        if not self.core.queues.push(p):
+            await self._fail(req, 429, "tenant_queue_full", f"tenant {req.tenant} has too many queued requests",
+                             state="rejected", retryable=True)
+            return ACK
+        self.wake.set()
+        return DEFER  # acked once placed (or failed): a crash here loses nothing
+
+    async def _cancel(self, msg: CancelRequest) -> None:
+        p = self.core.queues.pop(msg.tenant, msg.request_id) if msg.tenant in self.core.queues.bounds else None
+        if p is not None:
+            await self._set_state(msg.request_id, "cancelled")
+            await self.redis.xack(requests_stream(self.p), GROUP_SCHEDULER, p.entry_id)
+            return
+        a = self.assigned.get(msg.request_id)
+        if a is not None:
+            await self.producer.add(worker_stream(self.p, a[0]), CancelAssigned(
+                msg_id=uuid.uuid4().hex, request_id=msg.request_id, tenant=msg.tenant, reason=msg.reason))
+
+    # ------------------------------------------------------------ placement
+    async def _placement_loop(self) -> None:
+        while not self.shell.stop.is_set():
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=0.05)
+            except asyncio.TimeoutError:
+                pass
+            self.wake.clear()
+            try:
+                await self._place_all()
+            except REDIS_ERRORS as e:
+                log.warning("placement_redis_error", error=repr(e))
+                await asyncio.sleep(0.2)
+
+    async def _place_all(self) -> None:
+        now = time.time()
+        for tenant in list(self.core.queues.queues):
+            while True:
+                p = self.core.queues.head(tenant)
+                if p is None:
+                    break
+                if p.req.deadline_ts and now > p.req.deadline_ts:
+                    self.core.queues.pop(tenant, p.req.request_id)
+                    await self._fail(p.req, 504, "deadline_exceeded", "request deadline passed while queued")
+                    await self.redis.xack(requests_stream(self.p), GROUP_SCHEDULER, p.entry_id)
+                    continue
+                if not await self._place(p):
+                    break  # head of line waits for memory; FIFO per tenant
+            self.m_queue.labels(tenant).set(self.core.queues.depth(tenant))
+
+    async def _place(self, p: Pending) -> bool:
+        t0 = time.perf_counter()
+        for dev in self.core.candidates(p.req.tenant, self.devices, p.kv_bytes):
+            view = self.devices[dev]
+            res = await self.gmg.reserve([Reservation(dev, f"kv:{p.req.request_id}", "kv", p.req.tenant, p.kv_bytes)])
+            if isinstance(res, Refused):
+                if res.reason == "duplicate":  # reserved before a restart: reuse it
+                    pass
+                else:
+                    view.reserved = view.limit - int(res.detail or 0) if res.detail.lstrip("-").isdigit() else view.reserved
+                    continue
+            view.reserved += p.kv_bytes
+            view.assigned += 1
+            rid = p.req.request_id
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(req_key(self.p, rid), mapping={"state": "assigned", "device": dev, "kv_blocks": p.kv_blocks,
+                                                     "worker_id": view.worker_id, "assigned_ts": time.time()})
+            pipe.sadd(assigned_key(self.p, dev), rid)
+            await pipe.execute()
+            await self.producer.add(worker_stream(self.p, dev), AssignRequest(
+                msg_id=uuid.uuid4().hex, request=p.req, device=dev, kv_blocks=p.kv_blocks))
+            self.assigned[rid] = (dev, p.req, view.worker_id)
+            self.core.queues.pop(p.req.tenant, rid)
+            await self.redis.xack(requests_stream(self.p), GROUP_SCHEDULER, p.entry_id)
+            self.m_decision.observe(time.perf_counter() - t0)
+            self.m_admitted.labels(p.req.tenant, dev).inc()
+            log.debug("request_placed", tenant=p.req.tenant, request_id=rid, device=dev)
+            return True
+        return False
+
+    # ------------------------------------------------------------ events stream
+    async def _on_event(self, d: Delivery) -> str:
+        msg = d.msg
+        if isinstance(msg, RequestFinished):
+            await self._finished(msg.request_id, msg.device, "done" if msg.outcome in ("stop", "length")
+                                 else msg.outcome if msg.outcome in ("cancelled", "failed") else "done")
+        elif isinstance(msg, WorkerHeartbeat):
+            v = self.devices.get(msg.device)
+            if v is not None:
+                v.heartbeat_ts, v.running = msg.ts, msg.running
+                if msg.worker_id and v.worker_id != msg.worker_id:
+                    v.worker_id = msg.worker_id
+                v.up = True
+        return ACK
+
+    async def _finished(self, rid: str, device: str, state: str) -> None:
+        a = self.assigned.pop(rid, None)
+        await self.gmg.release(device, f"kv:{rid}")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(req_key(self.p, rid), mapping={"state": state, f"{state}_ts": time.time()})
+        pipe.expire(req_key(self.p, rid), TERMINAL_TTL_S)
+        pipe.srem(assigned_key(self.p, device), rid)
+        await pipe.execute()
+        v = self.devices.get(device)
+        if v is not None and a is not None:
+            v.assigned = max(0, v.assigned - 1)
+        self.wake.set()
+
+    # ------------------------------------------------------------ device health
+    async def _device_loop(self) -> None:
+        while not self.shell.stop.is_set():
+            try:
+                await self._refresh_devices()
+                await self._fail_dead_devices()
+                await self._publish_tenant_stats()
+            except REDIS_ERRORS as e:
+                log.warning("device_refresh_error", error=repr(e))
+            try:
+                await asyncio.wait_for(self.shell.stop.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _refresh_devices(self) -> None:
+        rows = await self.gmg.devices()
+        now = time.time()
+        for did, h in rows.items():
+            hb = float(h.get("heartbeat_ts") or 0)
+            up = h.get("state") == "ready" and now - hb < HEARTBEAT_STALE_S
+            v = self.devices.get(did)
+            assigned = sum(1 for a in self.assigned.values() if a[0] == did)
+            if v is None:
+                v = self.devices[did] = DeviceView(did, up, int(h.get("limit") or 0), int(h.get("reserved") or 0))
+            v.up, v.limit, v.reserved = up, int(h.get("limit") or 0), int(h.get("reserved") or 0)
+            v.heartbeat_ts, v.assigned = hb, assigned
+            wid = h.get("worker_id", "")
+            if wid:
+                v.worker_id = wid
+
+    async def _fail_dead_devices(self) -> None:
+        """Requests on a device whose worker died (or restarted) end with a clear, retryable error."""
+        for rid, (dev, req, wid) in list(self.assigned.items()):
+            v = self.devices.get(dev)
+            if v is None:
+                continue
+            restarted = bool(wid) and bool(v.worker_id) and v.worker_id != wid
+            if v.up and not restarted:
+                continue
+            log.warning("request_failed_worker_down", tenant=req.tenant, request_id=rid, device=dev,
+                        restarted=restarted)
+            await self.producer.add(worker_stream(self.p, dev), CancelAssigned(
+                msg_id=uuid.uuid4().hex, request_id=rid, tenant=req.tenant, reason="worker_failed"))
+            gw = req.gateway or (await self.redis.hget(req_key(self.p, rid), "gateway") or b"").decode()
+            if gw:
+                await self.producer.add(tokens_stream(self.p, gw), RequestError(
+                    msg_id=uuid.uuid4().hex, request_id=rid, tenant=req.tenant, status=503, code="worker_failed",
+                    message=f"the worker on device {dev} failed; retry the request", retryable=True),
+                    maxlen=TOKENS_MAXLEN)
+            self.m_failed.labels(req.tenant, "worker_failed").inc()
+            await self._finished(rid, dev, "failed")
+
+    async def _publish_tenant_stats(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for t in self.tenants.tenants:
+            running = sum(1 for a in self.assigned.values() if a[1].tenant == t.name)
+            pipe.hset(tenant_stats_key(self.p, t.name), mapping={
+                "queued": self.core.queues.depth(t.name), "running": running, "ts": time.time()})
+        await pipe.execute()
+
+    # ------------------------------------------------------------ helpers
+    async def _set_state(self, rid: str, state: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(req_key(self.p, rid), mapping={"state": state, f"{state}_ts": time.time()})
+        if state in TERMINAL_STATES:
+            pipe.expire(req_key(self.p, rid), TERMINAL_TTL_S)
+        await pipe.execute()
+
+    async def _fail(self, req: InferenceRequest, status: int, code: str, message: str, *, state: str = "failed",
+                    retryable: bool = False) -> None:
+        self.m_failed.labels(req.tenant, code).inc()
+        await self._set_state(req.request_id, state)
+        if req.gateway:
+            await self.producer.add(tokens_stream(self.p, req.gateway), RequestError(
+                msg_id=uuid.uuid4().hex, request_id=req.request_id, tenant=req.tenant, status=status, code=code,
+                message=message, retryable=retryable), maxlen=TOKENS_MAXLEN)
+
+    async def _on_dead(self, stream: str, entry_id: str, raw: bytes | None, reason: str) -> None:
+        """A poison entry on our streams: if it decodes far enough to name a request, tell its gateway."""
+        log.warning("scheduler_dead_letter", stream=stream, entry_id=entry_id, reason=reason[:200])
+        loose = loose_decode(raw)
+        rid, gw, tenant = loose.get("request_id"), loose.get("gateway"), loose.get("tenant", "")
+        if isinstance(rid, str) and isinstance(gw, str) and isinstance(tenant, str) and stream.endswith("requests"):
+            await self._set_state(rid, "failed")
+            await self.producer.add(tokens_stream(self.p, gw), RequestError(
+                msg_id=uuid.uuid4().hex, request_id=rid, tenant=tenant, status=500, code="internal_error",
+                message="the request could not be processed", retryable=False), maxlen=TOKENS_MAXLEN)
+
+
+def loose_decode(raw: bytes | None) -> dict:
+    """Best-effort, bounded decode of a poison entry to find who to answer; never raises."""
+    if not raw or len(raw) > 1_000_000:
+        return {}
+    try:
+        import msgspec
+
+        v = msgspec.msgpack.decode(raw)
+    except Exception:
+        return {}
+    return v if isinstance(v, dict) else {}

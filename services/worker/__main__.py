@@ -1,0 +1,64 @@
+"""``python -m services.worker --device ID``: build the device's engine and run the worker service."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from shared.config import ConfigError, Settings, load_cluster, load_tenants
+from shared.logging import setup_logging
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m services.worker")
+    ap.add_argument("--device", default=os.environ.get("SLICESCHED_DEVICE"), help="device id from cluster.yaml")
+    args = ap.parse_args()
+    try:
+        settings = Settings.from_env()
+        cluster = load_cluster(settings.cluster_file)
+        tenants = load_tenants(settings.tenants_file, cluster)
+        if not args.device:
+            raise ConfigError("arguments", "--device", "required (or set SLICESCHED_DEVICE)")
+        try:
+            device = cluster.device(args.device)
+        except KeyError:
+            raise ConfigError(cluster.source, "devices", f"no device with id {args.device!r}") from None
+        homes = [t for t in tenants.tenants if device.id in t.home_devices]
+        if len(homes) != 1:
+            raise ConfigError(tenants.source, "home_devices",
+                              f"device {device.id!r} must be home to exactly one tenant, found {len(homes)}")
+    except ConfigError as e:
+        print(f"worker: config error: {e}", file=sys.stderr)
+        return 2
+    setup_logging("worker", settings.log_format, settings.log_level, device=device.id)
+    import torch
+
+    from services.worker.service import WorkerService, kv_blocks_for_device, worker_env_threads
+    from shared.model.engine import Engine
+    from shared.model.loader import build_model
+
+    if device.backend == "cpu":
+        torch.set_num_threads(worker_env_threads(device))
+        torch_device = "cpu"
+    elif device.backend == "cuda":
+        torch_device = f"cuda:{device.cuda_index or 0}"
+    else:
+        print(f"worker: device {device.id}: backend {device.backend!r} is served by the emulated worker",
+              file=sys.stderr)
+        return 2
+    tenant = homes[0]
+    model, tokenizer = build_model(tenant.model, torch_device)
+    cfg = tenant.model.config
+    bpb = cfg.kv_bytes_per_token() * 16
+    cap = int(float(os.environ.get("SLICESCHED_KV_POOL_MB", "0")) * 2**20) or None
+    blocks = kv_blocks_for_device(device, cluster.headroom_fraction, model.weight_bytes, bpb, cap)
+    engine = Engine(model, tokenizer, kv_blocks=blocks, block_size=16,
+                    max_batch_tokens=int(os.environ.get("SLICESCHED_MAX_BATCH_TOKENS", "256")),
+                    max_running=int(os.environ.get("SLICESCHED_MAX_RUNNING", "64")))
+    asyncio.run(WorkerService(settings, cluster, device, tenant, engine).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

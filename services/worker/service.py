@@ -1,0 +1,256 @@
+"""Worker service shell: consumes its device stream, runs the batching engine on a compute thread, streams
+tokens to gateways, reports heartbeats / step statistics / finished requests on the events stream."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+from prometheus_client import Counter, Gauge
+
+from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig
+from shared.gmg import GMGStore, Refused, Reservation
+from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, RequestError, RequestFinished,
+                             RequestStarted, WorkerHeartbeat, WorkerMsg, dead_stream, events_stream, tokens_stream,
+                             worker_stream)
+from shared.model.engine import Engine, SamplingParams
+from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
+from shared.requests_state import TERMINAL_STATES, req_key
+from shared.service import ServiceShell, instance_id, run_tasks
+from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
+from services.worker.core import StepAggregator, Tracker
+
+log = structlog.get_logger()
+
+TOKENS_MAXLEN = 200_000
+EVENTS_MAXLEN = 200_000
+HEARTBEAT_S = 0.5
+
+
+class WorkerService:
+    def __init__(self, settings: Settings, cluster: ClusterConfig, device: DeviceConfig, tenant: TenantConfig,
+                 engine: Engine) -> None:
+        self.s, self.cluster, self.device, self.tenant, self.engine = settings, cluster, device, tenant, engine
+        self.p = settings.prefix
+        self.worker_id = instance_id(f"worker-{device.id}")
+        self.redis = command_client(settings.redis_url, name=f"worker-{device.id}")
+        self.blocking = blocking_client(settings.redis_url, block_ms=1000, name=f"worker-{device.id}-blk")
+        self.gmg = GMGStore(self.redis, self.p)
+        self.producer = StreamProducer(self.redis)
+        self.shell = ServiceShell("worker", device.id, prefix=self.p, redis=self.redis)
+        self.tracker = Tracker(device.id)
+        self.agg = StepAggregator(device.id, tenant.name)
+        self.pending_ops: list[tuple[str, object]] = []  # ("add", (req, entry_id, blocks)) | ("cancel", (rid, reason))
+        self.wake = asyncio.Event()
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{device.id}")
+        self.publish_q: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self.consumer = StreamConsumer(cmd=self.redis, blocking=self.blocking, stream=worker_stream(self.p, device.id),
+                                       group=GROUP_WORKER, consumer=device.id, types=WorkerMsg, handler=self._on_msg,
+                                       dead_stream=dead_stream(self.p), min_idle_ms=60_000)
+        self._busy_s = 0.0
+        self._busy_mark = time.monotonic()
+        reg = self.shell.registry
+        self.m_tokens = Counter("slicesched_worker_tokens_total", "Output tokens generated", ["device", "tenant"],
+                                registry=reg)
+        self.m_busy = Gauge("slicesched_device_busy_ratio", "Busy fraction since the last heartbeat", ["device"],
+                            registry=reg)
+        self.m_mem = Gauge("slicesched_device_memory_bytes", "Device memory", ["device", "kind"], registry=reg)
+
+    # ------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        self.shell.install_signal_handlers()
+        await self.shell.serve_http("127.0.0.1" if self.s.gateway_host == "127.0.0.1" else "0.0.0.0",
+                                    self.s.metrics_port)
+        log.info("metrics_listening", port=self.shell.port)
+        await self._reserve_weights()
+        self.shell.ready = True
+        await self._heartbeat()
+        log.info("worker_ready", tenant=self.tenant.name, kv_blocks=self.engine.kv_blocks_total,
+                 weight_bytes=self.engine.weight_bytes, worker_id=self.worker_id)
+        try:
+            await run_tasks(self.shell, self.consumer.run(self.shell.stop), self._compute_loop(),
+                            self._publish_loop(), self._heartbeat_loop(), self.shell.heartbeat_loop())
+            await self._drain()
+        finally:
+            self.compute.shutdown(wait=False, cancel_futures=True)
+            await self.shell.close_http()
+            await close_quietly(self.redis, self.blocking)
+
+    async def _reserve_weights(self) -> None:
+        while not self.shell.stop.is_set():
+            try:
+                res = await self.gmg.reserve([Reservation(self.device.id, f"weights:{self.tenant.name}:home",
+                                                          "weights", self.tenant.name, self.engine.weight_bytes)])
+                if isinstance(res, Refused) and res.reason not in ("duplicate",):
+                    log.error("weights_reservation_refused", reason=res.reason, detail=res.detail)
+                return
+            except REDIS_ERRORS as e:
+                log.warning("redis_unavailable", error=repr(e))
+                await asyncio.sleep(0.5)
+
+    async def _drain(self) -> None:
+        """On SIGTERM: stop taking work; in-flight requests end with a retryable error and release their KV."""
+        for rid in list(self.tracker.items):
+            await self._end(rid, "failed", error=(503, "worker_draining", "the worker is shutting down; retry"))
+
+    # ------------------------------------------------------------ stream handling
+    async def _on_msg(self, d: Delivery) -> str:
+        msg = d.msg
+        if isinstance(msg, AssignRequest):
+            rid = msg.request.request_id
+            if rid in self.tracker.items:
+                return DEFER  # re-delivered while running
+            state = await self.redis.hget(req_key(self.p, rid), "state")
+            if state is not None and state.decode() in TERMINAL_STATES:
+                return ACK  # failed/cancelled while we were away: fenced
+            self.tracker.add(msg.request, d.entry_id, msg.kv_blocks)
+            self.pending_ops.append(("add", msg))
+            self.wake.set()
+            await self.redis.hset(req_key(self.p, rid), mapping={"state": "running", "running_ts": time.time(),
+                                                                 "worker_id": self.worker_id})
+            return DEFER  # acked when the request ends
+        if isinstance(msg, CancelAssigned):
+            if msg.request_id in self.tracker.items:
+                self.pending_ops.append(("cancel", msg))
+                self.wake.set()
+            return ACK
+        return ACK
+
+    # ------------------------------------------------------------ compute
+    async def _compute_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.shell.stop.is_set():
+            await self._apply_ops()
+            if not self.engine.has_work():
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            t0 = time.time()
+            try:
+                res = await loop.run_in_executor(self.compute, self.engine.step)
+            except Exception as e:  # a failed step fails its batch, not the worker
+                log.exception("engine_step_failed")
+                for rid in list(self.tracker.items):
+                    if rid in self.engine.running_ids() or rid in self.engine.waiting_ids():
+                        self.engine.cancel(rid)
+                        await self._end(rid, "failed", error=(500, "engine_error", f"generation failed: {e!r}"))
+                continue
+            t1 = time.time()
+            self._busy_s += t1 - t0
+            self.agg.add_step(t0, t1, res.prefill_tokens + res.decode_tokens, res.segment_ms)
+            await self.publish_q.put(res.events)
+
+    async def _apply_ops(self) -> None:
+        ops, self.pending_ops = self.pending_ops, []
+        for kind, msg in ops:
+            if kind == "add":
+                r = msg.request
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                                        seed=r.seed, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
+                try:
+                    self.engine.add(r.request_id, list(r.prompt_ids), params)
+                except ValueError as e:
+                    await self._end(r.request_id, "failed", error=(400, "invalid_request", str(e)))
+                    continue
+                await self.producer.add(events_stream(self.p), RequestStarted(
+                    msg_id=uuid.uuid4().hex, request_id=r.request_id, tenant=r.tenant, device=self.device.id,
+                    ts=time.time()), maxlen=EVENTS_MAXLEN)
+            else:
+                if self.engine.cancel(msg.request_id) or msg.request_id in self.tracker.items:
+                    await self._end(msg.request_id, "cancelled" if msg.reason != "worker_failed" else "failed")
+
+    async def _publish_loop(self) -> None:
+        """Publishes each step's tokens (one pipelined round trip) while the next step computes."""
+        while not (self.shell.stop.is_set() and self.publish_q.empty()):
+            try:
+                events = await asyncio.wait_for(self.publish_q.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                continue
+            items, finished = [], []
+            for ev in events:
+                t = self.tracker.items.get(ev.request_id)
+                if t is None or (not ev.token_ids and ev.finish_reason is None):
+                    continue
+                items.append((tokens_stream(self.p, t.req.gateway),
+                              self.tracker.chunk(t, ev.token_ids, ev.text, ev.finish_reason, ev.prompt_tokens,
+                                                 ev.completion_tokens)))
+                self.m_tokens.labels(self.device.id, t.req.tenant).inc(len(ev.token_ids))
+                if ev.finish_reason is not None:
+                    finished.append((ev.request_id, ev.finish_reason))
+            try:
+                await self.producer.add_many(items, maxlen=TOKENS_MAXLEN)
+                for rid, reason in finished:
+                    await self._end(rid, reason)
+            except REDIS_ERRORS as e:
+                log.warning("publish_failed", error=repr(e))
+
+    async def _end(self, rid: str, outcome: str, error: tuple[int, str, str] | None = None) -> None:
+        """A request left this device: tell the gateway (on error), the GMG/scheduler, and ack its entry."""
+        t = self.tracker.items.pop(rid, None)
+        if t is None:
+            return
+        now = time.time()
+        if error is not None:
+            status, code, message = error
+            await self.producer.add(tokens_stream(self.p, t.req.gateway), RequestError(
+                msg_id=uuid.uuid4().hex, request_id=rid, tenant=t.req.tenant, status=status, code=code,
+                message=message, retryable=status >= 500), maxlen=TOKENS_MAXLEN)
+        await self.producer.add(events_stream(self.p), RequestFinished(
+            msg_id=uuid.uuid4().hex, request_id=rid, tenant=t.req.tenant, device=self.device.id, outcome=outcome,
+            prompt_tokens=len(t.req.prompt_ids), completion_tokens=t.completion_tokens, kv_blocks=t.kv_blocks, ts=now,
+            ttft_ms=(t.first_token_ts - t.started_ts) * 1000 if t.first_token_ts else 0.0,
+            e2e_ms=(now - t.started_ts) * 1000), maxlen=EVENTS_MAXLEN)
+        await self.consumer.ack(t.entry_id)
+
+    # ------------------------------------------------------------ reports
+    async def _heartbeat_loop(self) -> None:
+        while not self.shell.stop.is_set():
+            try:
+                await asyncio.wait_for(self.shell.stop.wait(), timeout=HEARTBEAT_S)
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await self._heartbeat()
+            except REDIS_ERRORS as e:
+                log.warning("heartbeat_failed", error=repr(e))
+
+    async def _heartbeat(self) -> None:
+        now = time.monotonic()
+        busy = self._busy_s / max(1e-6, now - self._busy_mark)
+        self._busy_s, self._busy_mark = 0.0, now
+        e = self.engine
+        kv_used = (e.kv_blocks_total - e.kv_blocks_free) * e.kv_bytes_per_block
+        hb = WorkerHeartbeat(msg_id=uuid.uuid4().hex, device=self.device.id, worker_id=self.worker_id,
+                             backend=self.device.backend, home_tenant=self.tenant.name, ts=time.time(),
+                             state="draining" if self.shell.stop.is_set() else "ready",
+                             capacity_bytes=self.device.memory_bytes, weight_bytes=e.weight_bytes,
+                             kv_used_bytes=kv_used, kv_total_bytes=e.kv_blocks_total * e.kv_bytes_per_block,
+                             running=len(e.running_ids()), queued=len(e.waiting_ids()), busy_ratio=min(1.0, busy))
+        items = [(events_stream(self.p), hb)]
+        rep = self.agg.flush(kv_used)
+        if rep is not None:
+            items.append((events_stream(self.p), rep))
+        await self.producer.add_many(items, maxlen=EVENTS_MAXLEN)
+        self.m_busy.labels(self.device.id).set(min(1.0, busy))
+        self.m_mem.labels(self.device.id, "kv_used").set(kv_used)
+        self.m_mem.labels(self.device.id, "weights").set(e.weight_bytes)
+        self.m_mem.labels(self.device.id, "capacity").set(self.device.memory_bytes)
+
+
+def kv_blocks_for_device(device: DeviceConfig, headroom_fraction: float, weight_bytes: int,
+                         bytes_per_block: int, cap_bytes: int | None = None) -> int:
+    """KV pool size: what is left under capacity - headroom after the home weights (optionally capped)."""
+    budget = int(device.memory_bytes * (1 - headroom_fraction)) - weight_bytes
+    if cap_bytes:
+        budget = min(budget, cap_bytes)
+    return max(0, budget // bytes_per_block)
+
+
+def worker_env_threads(device: DeviceConfig) -> int:
+    return int(os.environ.get("SLICESCHED_TORCH_THREADS", device.threads))

@@ -1,0 +1,171 @@
+"""Roofline time of operators, segments and whole iterations of one model on one device kind.
+
+Per operator: ``max(flops / (peak × eff_c), bytes / (bandwidth × eff_m)) + launch overhead`` with the
+efficiencies of the operator's class and size bucket (:mod:`shared.costmodel.profiles`). FLOPs and bytes come
+from the operator graph (:mod:`shared.model.graph`). Attention is costed from the batch's KV work; decode and
+prefill attention are separate kernels (as in paged-attention engines), so a decode-only iteration is exactly
+affine in the batch's total KV length, which the simulator uses to advance runs of decode iterations in
+closed form.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from shared.costmodel.profiles import DeviceProfile
+from shared.model.config import ModelConfig
+from shared.model.graph import ModelGraph, OperatorSpec
+
+OP_CLASS = {"qkv_proj": "gemm", "o_proj": "gemm", "gate_up_proj": "gemm", "down_proj": "gemm", "lm_head": "gemm",
+            "attention": "attention", "rmsnorm": "elementwise", "rope": "elementwise", "residual_add": "elementwise",
+            "silu_mul": "elementwise", "embed": "embedding"}
+SEGMENT_KINDS = ("embed", "attn", "mlp", "head")
+
+
+def op_time(profile: DeviceProfile, op: OperatorSpec, tokens: int, kv_tokens: int = 0,
+            kv_read_tokens: int | None = None) -> float:
+    """Roofline time (s) of one operator over ``tokens`` rows (and ``kv_tokens`` query-key pairs)."""
+    if tokens <= 0:
+        return 0.0
+    rc, rm = profile.rates(OP_CLASS[op.kind], tokens)
+    return max(op.flops(tokens, kv_tokens) / rc, op.bytes_moved(tokens, kv_tokens, kv_read_tokens) / rm) \
+        + profile.launch_overhead_s
+
+
+class ModelCost:
+    """Predicted times of one model (``config``) on one device kind (``profile``).
+
+    ``correction`` maps a segment kind (embed, attn, mlp, head) to a multiplicative factor (from measured
+    execution; see :class:`shared.costmodel.correction.CorrectionTable`). Results are cached per batch size.
+    """
+
+    def __init__(self, config: ModelConfig, profile: DeviceProfile,
+                 correction: Mapping[str, float] | None = None) -> None:
+        self.config, self.profile = config, profile
+        self.graph = ModelGraph.from_config(config)
+        self.layers = config.num_hidden_layers
+        self.corr = {k: float((correction or {}).get(k, 1.0)) for k in SEGMENT_KINDS}
+        g = self.graph
+        self._embed_ops = g.operators_of("embed")
+        attn_ops = g.operators_of("attn[0]")
+        self._attn_dense = [op for op in attn_ops if op.kind != "attention"]
+        self._attn_op = next(op for op in attn_ops if op.kind == "attention")
+        self._mlp_ops = g.operators_of("mlp[0]")
+        self._head_ops = g.operators_of("head")
+        self.weight_bytes = g.weight_bytes
+        self.kv_bytes_per_token = config.kv_bytes_per_token()
+        self.hidden_bytes_per_token = g.segment("mlp[0]").input_bytes_per_token
+        self.mlp_weight_bytes = g.segment("mlp[0]").weight_bytes  # one layer
+        self.attn_weight_bytes = g.segment("attn[0]").weight_bytes
+        self._cache: dict[tuple[str, int], float] = {}
+        self._lines: dict[int, tuple[float, float, float]] = {}
+
+    # ---------------------------------------------------------------- per segment (one layer)
+    def _sum(self, tag: str, ops: list[OperatorSpec], tokens: int) -> float:
+        key = (tag, tokens)
+        t = self._cache.get(key)
+        if t is None:
+            t = sum(op_time(self.profile, op, tokens) for op in ops) * self.corr[tag.split("_")[0]]
+            self._cache[key] = t
+        return t
+
+    def embed_time(self, tokens: int) -> float:
+        """``embed`` segment over ``tokens`` rows."""
+        return self._sum("embed", self._embed_ops, tokens)
+
+    def head_time(self, sampled: int) -> float:
+        """``head`` segment (final norm + lm-head) over the ``sampled`` rows."""
+        return self._sum("head", self._head_ops, sampled)
+
+    def mlp_time(self, tokens: int) -> float:
+        """One ``mlp[l]`` segment over ``tokens`` rows."""
+        return self._sum("mlp", self._mlp_ops, tokens)
+
+    def attn_dense_time(self, tokens: int) -> float:
+        """One ``attn[l]`` segment without its attention kernel (norm, qkv, rope, o-proj, residual)."""
+        return self._sum("attn_dense", self._attn_dense, tokens)
+
+    def prefill_attention_time(self, tokens: int, pairs: int, reads: int) -> float:
+        """Attention kernel of one layer for prefill chunks: ``pairs`` query-key pairs, ``reads`` KV rows read."""
+        return op_time(self.profile, self._attn_op, tokens, pairs, reads) * self.corr["attn"]
+
+    def decode_attention_line(self, n_decode: int) -> tuple[float, float, float]:
+        """(c0, c1, k_max): one layer's decode attention over ``n_decode`` sequences with total KV length K
+        takes exactly ``c0 + c1*K`` seconds for ``K <= k_max`` (memory-bound region; ``inf`` when it always is)."""
+        op, b = self._attn_op, n_decode
+        rc, rm = self.profile.rates("attention", b)
+        f1 = op.flops(b, 1) - op.flops(b, 0)
+        beta0 = op.bytes_moved(b, 0, 0)
+        beta1 = op.bytes_moved(b, 1, 1) - beta0
+        k = self.corr["attn"]
+        c0, c1 = (beta0 / rm + self.profile.launch_overhead_s) * k, beta1 / rm * k
+        slope_c = f1 / rc
+        k_max = float("inf") if beta1 / rm >= slope_c else (beta0 / rm) / (slope_c - beta1 / rm)
+        return c0, c1, k_max
+
+    def decode_attention_time(self, n_decode: int, kv: int) -> float:
+        """Attention kernel of one layer for ``n_decode`` decode tokens with total context ``kv``."""
+        return op_time(self.profile, self._attn_op, n_decode, kv, kv) * self.corr["attn"]
+
+    # ---------------------------------------------------------------- whole iterations
+    def decode_line(self, n_decode: int) -> tuple[float, float, float]:
+        """(a, c, k_max): a decode-only iteration of ``n_decode`` sequences with total KV length K takes exactly
+        ``a + c*K`` seconds while ``K <= k_max``."""
+        line = self._lines.get(n_decode)
+        if line is None:
+            c0, c1, kmax = self.decode_attention_line(n_decode)
+            b, n = n_decode, self.layers
+            a = self.embed_time(b) + n * (self.attn_dense_time(b) + self.mlp_time(b) + c0) + self.head_time(b)
+            line = (a, n * c1, kmax)
+            self._lines[n_decode] = line
+        return line
+
+    def iteration_time(self, n_decode: int, decode_kv: int, prefill_tokens: int = 0, prefill_pairs: int = 0,
+                       prefill_reads: int = 0, sampled: int | None = None) -> float:
+        """One iteration: ``n_decode`` decode tokens (total context ``decode_kv``) plus prefill chunks
+        (``prefill_tokens`` rows, ``prefill_pairs`` query-key pairs, ``prefill_reads`` KV rows read);
+        ``sampled`` rows go through the head (default: ``n_decode``)."""
+        t = n_decode + prefill_tokens
+        if t <= 0:
+            return 0.0
+        if prefill_tokens == 0:
+            a, c, kmax = self.decode_line(n_decode)
+            if decode_kv <= kmax:
+                return a + c * decode_kv
+        s = n_decode if sampled is None else sampled
+        per_layer = self.attn_dense_time(t) + self.mlp_time(t)
+        if n_decode:
+            per_layer += self.decode_attention_time(n_decode, decode_kv)
+        if prefill_tokens:
+            per_layer += self.prefill_attention_time(prefill_tokens, prefill_pairs, prefill_reads)
+        return self.embed_time(t) + self.layers * per_layer + self.head_time(s)
+
+    def prefill_time(self, input_tokens: int, chunk: int = 2048) -> float:
+        """Time to prefill one prompt alone, in chunks of ``chunk`` tokens (the isolated TTFT)."""
+        done, total = 0, 0.0
+        while done < input_tokens:
+            q = min(chunk, input_tokens - done)
+            pairs = q * done + q * (q + 1) // 2
+            last = done + q >= input_tokens
+            total += self.iteration_time(0, 0, q, pairs, done + q, sampled=1 if last else 0)
+            done += q
+        return total
+
+    def isolated_latency(self, input_tokens: int, output_tokens: int, chunk: int = 2048) -> tuple[float, float]:
+        """(TTFT, TPOT) of one request alone on the device: prefill, then batch-1 decode steps."""
+        ttft = self.prefill_time(input_tokens, chunk)
+        if output_tokens <= 1:
+            return ttft, 0.0
+        a, c, _ = self.decode_line(1)
+        n = output_tokens - 1
+        # decode step i attends to input + i positions (i = 1..n)
+        total = sum(self.iteration_time(1, input_tokens + i) for i in range(1, n + 1)) if c == 0 else \
+            n * a + c * (n * input_tokens + n * (n + 1) / 2)
+        return ttft, total / n
+
+    def request_work(self, input_tokens: int, output_tokens: int, ref_batch: int = 32) -> float:
+        """Device-seconds a request costs at a reference decode batch: its prefill plus its share of
+        ``ref_batch``-wide decode iterations (used to size containers from offered work)."""
+        a, c, _ = self.decode_line(ref_batch)
+        ctx = input_tokens + output_tokens / 2
+        per_token = (a + c * ref_batch * ctx) / ref_batch
+        return self.prefill_time(input_tokens) + max(output_tokens - 1, 0) * per_token

@@ -1,0 +1,172 @@
+"""Device profiles: peak FLOP/s, memory bandwidth, memory, links and efficiencies per operator class and size.
+
+Profiles live as YAML files in ``shared/costmodel/profiles/`` (one per device kind). GPU profiles ship with
+datasheet peaks and estimated efficiencies (``source: "datasheet, uncalibrated"``); ``slicesched profile``
+replaces a profile with measured values. Every problem in a profile file raises
+:class:`shared.config.ConfigError` naming the file and field.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.config import LINK_KINDS, ConfigError
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+OP_CLASSES = ("gemm", "attention", "elementwise", "embedding")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One link kind as seen from a device: per-direction bandwidth (bytes/s) and one-way latency (s)."""
+
+    bandwidth: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Performance model of one device kind.
+
+    ``compute_eff[op_class][bucket]`` and ``memory_eff[op_class][bucket]`` are fractions of peak; buckets are
+    chosen by the number of token rows entering the operator (``buckets`` holds the upper bounds, a last bucket
+    covers everything above).
+    """
+
+    kind: str
+    source: str
+    peak_flops: float
+    mem_bandwidth: float
+    memory_bytes: int
+    launch_overhead_s: float
+    links: dict[str, LinkSpec]
+    buckets: tuple[int, ...]
+    compute_eff: dict[str, tuple[float, ...]]
+    memory_eff: dict[str, tuple[float, ...]]
+    file: str = "<memory>"
+    _eff_cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def bucket(self, tokens: int) -> int:
+        """Index of the size bucket for an operator over ``tokens`` rows."""
+        return bisect.bisect_left(self.buckets, tokens)
+
+    def rates(self, op_class: str, tokens: int) -> tuple[float, float]:
+        """Effective (FLOP/s, bytes/s) for an operator class at this size: peak × efficiency."""
+        key = (op_class, self.bucket(tokens))
+        r = self._eff_cache.get(key)
+        if r is None:
+            b = key[1]
+            r = (self.peak_flops * self.compute_eff[op_class][b], self.mem_bandwidth * self.memory_eff[op_class][b])
+            self._eff_cache[key] = r
+        return r
+
+    def link(self, kind: str) -> LinkSpec:
+        """The link spec for ``kind`` (one of shared.config.LINK_KINDS)."""
+        try:
+            return self.links[kind]
+        except KeyError:
+            raise KeyError(f"profile {self.kind!r} has no link {kind!r}; has {', '.join(sorted(self.links))}") \
+                from None
+
+    @property
+    def calibrated(self) -> bool:
+        return "uncalibrated" not in self.source
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (the YAML file's layout)."""
+        return {"kind": self.kind, "source": self.source, "peak_flops": self.peak_flops,
+                "mem_bandwidth": self.mem_bandwidth, "memory_bytes": self.memory_bytes,
+                "launch_overhead_s": self.launch_overhead_s,
+                "links": {k: {"bandwidth": v.bandwidth, "latency_s": v.latency_s} for k, v in self.links.items()},
+                "efficiency": {"buckets": list(self.buckets),
+                               "compute": {k: list(v) for k, v in self.compute_eff.items()},
+                               "memory": {k: list(v) for k, v in self.memory_eff.items()}}}
+
+
+def _num(d: dict, key: str, file: str, path: str, positive: bool = True) -> float:
+    if key not in d:
+        raise ConfigError(file, f"{path}{key}", "required field is missing")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(file, f"{path}{key}", f"expected a number, got {v!r}")
+    if positive and v <= 0:
+        raise ConfigError(file, f"{path}{key}", f"must be positive, got {v!r}")
+    return float(v)
+
+
+def parse_profile(data: Any, file: str | Path = "<memory>") -> DeviceProfile:
+    """Validate a profile mapping (as loaded from YAML) and build a :class:`DeviceProfile`."""
+    file = str(file)
+    if not isinstance(data, dict):
+        raise ConfigError(file, "(top level)", "expected a mapping")
+    kind = data.get("kind")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(file, "kind", "required string field is missing")
+    source = data.get("source")
+    if not isinstance(source, str) or not source:
+        raise ConfigError(file, "source", "required (e.g. \"datasheet, uncalibrated\" or \"measured ...\")")
+    links_raw = data.get("links") or {}
+    if not isinstance(links_raw, dict):
+        raise ConfigError(file, "links", "expected a mapping of link kind -> {bandwidth, latency_s}")
+    links = {}
+    for k, v in links_raw.items():
+        if k not in LINK_KINDS:
+            raise ConfigError(file, f"links.{k}", f"unknown link kind; valid: {', '.join(LINK_KINDS)}")
+        if not isinstance(v, dict):
+            raise ConfigError(file, f"links.{k}", "expected {bandwidth, latency_s}")
+        links[k] = LinkSpec(_num(v, "bandwidth", file, f"links.{k}."),
+                            _num(v, "latency_s", file, f"links.{k}.", positive=False))
+    eff = data.get("efficiency")
+    if not isinstance(eff, dict):
+        raise ConfigError(file, "efficiency", "required mapping with buckets, compute, memory")
+    buckets = eff.get("buckets")
+    if not isinstance(buckets, list) or not all(isinstance(b, int) and b > 0 for b in buckets) \
+            or buckets != sorted(buckets):
+        raise ConfigError(file, "efficiency.buckets", "expected an increasing list of positive integers")
+    tables: dict[str, dict[str, tuple[float, ...]]] = {}
+    for part in ("compute", "memory"):
+        t = eff.get(part)
+        if not isinstance(t, dict):
+            raise ConfigError(file, f"efficiency.{part}", "required mapping of operator class -> list")
+        tables[part] = {}
+        for cls in OP_CLASSES:
+            row = t.get(cls)
+            path = f"efficiency.{part}.{cls}"
+            if not isinstance(row, list) or len(row) != len(buckets) + 1:
+                raise ConfigError(file, path, f"expected a list of {len(buckets) + 1} fractions (one per bucket)")
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1 for x in row):
+                raise ConfigError(file, path, "every efficiency must be a number in (0, 1]")
+            tables[part][cls] = tuple(float(x) for x in row)
+    return DeviceProfile(kind=kind, source=source, peak_flops=_num(data, "peak_flops", file, ""),
+                         mem_bandwidth=_num(data, "mem_bandwidth", file, ""),
+                         memory_bytes=int(_num(data, "memory_bytes", file, "")),
+                         launch_overhead_s=_num(data, "launch_overhead_s", file, "", positive=False),
+                         links=links, buckets=tuple(buckets), compute_eff=tables["compute"],
+                         memory_eff=tables["memory"], file=file)
+
+
+def load_profile_file(path: str | Path) -> DeviceProfile:
+    """Load and validate one profile YAML file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(p, "(file)", "profile file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(p, "(yaml)", f"invalid YAML: {getattr(e, 'problem', e)}") from None
+    return parse_profile(data, p)
+
+
+@lru_cache(maxsize=None)
+def load_profile(kind: str) -> DeviceProfile:
+    """The shipped profile for a device kind (``cpu``, ``a100-80gb``, ``h100-80gb``, ``h200``), cached."""
+    path = PROFILE_DIR / f"{kind}.yaml"
+    if not path.is_file():
+        valid = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
+        raise ConfigError(path, "kind", f"no profile for device kind {kind!r}; valid: {valid}")
+    return load_profile_file(path)

@@ -1,0 +1,283 @@
+"""A synchronous continuous-batching engine: chunked prefill, paged KV, per-segment timing.
+
+Pure: no asyncio, no Redis, no files. The worker service wraps it. Each :meth:`Engine.step` mixes one decode
+token of every running sequence with prefill chunks up to ``max_batch_tokens``, runs the model segment by
+segment (optionally through a :class:`SegmentRunner` that may send some segments to a guest device), samples,
+and returns the new tokens as :class:`TokenEvent` values. KV for ``prompt + max_tokens`` is reserved when a
+sequence is admitted, so a running sequence never runs out of KV and nothing is preempted.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Callable, Protocol
+
+import structlog
+import torch
+
+from shared.model.batch import BatchContext, SeqChunk, build_context
+from shared.model.llama import LlamaModel
+from shared.model.sampling import make_generator, sample_row, validate_params
+from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (temperature 0 = greedy)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens this step (empty for a non-final prefill chunk)
+    text: str  # newly detokenized text (stop strings not included)
+    finish_reason: str | None  # "stop" (EOS or stop string) | "length" | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class StepResult:
+    """Events and measurements of one step."""
+
+    events: list[TokenEvent]
+    segment_ms: dict[str, float]  # measured wall time per segment name in this step
+    batch_size: int
+    prefill_tokens: int
+    decode_tokens: int
+    step_ms: float
+
+
+class SegmentRunner(Protocol):
+    """Hook around every segment: run it locally with ``local(hidden, ctx)`` or elsewhere (a guest device)."""
+
+    def run(self, name: str, hidden: torch.Tensor, ctx: BatchContext, local: Callable) -> torch.Tensor: ...
+
+
+@dataclass
+class _Seq:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer
+    output: list[int] = field(default_factory=list)
+    computed: int = 0  # positions whose KV is in the cache
+    pending: str = ""  # text held back while it might be the start of a stop string
+    hold: int = 0  # characters to hold back: longest stop string - 1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+class Engine:
+    """Continuous batching over a :class:`LlamaModel` holding every segment."""
+
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, *, kv_blocks: int, block_size: int = 16,
+                 max_batch_tokens: int = 256, max_running: int = 64,
+                 segment_runner: SegmentRunner | None = None) -> None:
+        if max_batch_tokens <= 0 or max_running <= 0:
+            raise ValueError("max_batch_tokens and max_running must be positive")
+        self.model, self.tokenizer = model, tokenizer
+        self.kv = model.new_kv_cache(kv_blocks, block_size)
+        self.block_size = block_size
+        self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
+        self.segment_runner = segment_runner
+        self._segments = list(model.segments)
+        self._waiting: OrderedDict[str, _Seq] = OrderedDict()
+        self._running: OrderedDict[str, _Seq] = OrderedDict()
+
+    # ---------------------------------------------------------------- capacity
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.kv.allocator.blocks_total
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.kv.allocator.blocks_free
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv.bytes_per_block
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes
+
+    def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
+        """KV blocks reserved for a request: ``prompt_len + max_tokens`` positions."""
+        return -(-(prompt_len + max_tokens) // self.block_size)
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether a request would start running at the next step (nothing queued ahead, KV and a slot free)."""
+        return (not self._waiting and len(self._running) < self.max_running
+                and self.blocks_needed(prompt_len, max_tokens) <= self.kv_blocks_free)
+
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def waiting_ids(self) -> list[str]:
+        return list(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    # ---------------------------------------------------------------- requests
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; it is admitted (KV reserved) as soon as blocks and a running slot are free.
+
+        ``ValueError`` for a duplicate id, an empty or out-of-vocabulary prompt, bad parameters, or a request that
+        could never fit (longer than the model's positions or than the whole KV cache).
+        """
+        if request_id in self._running or request_id in self._waiting:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        cfg = self.model.cfg
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        validate_params(params.temperature, params.top_p)
+        bad = next((t for t in prompt_ids if not 0 <= t < cfg.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} outside the vocabulary (size {cfg.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) = {total} tokens "
+                             f"exceeds the model's {cfg.max_position_embeddings} positions")
+        need = self.blocks_needed(len(prompt_ids), params.max_tokens)
+        if need > self.kv_blocks_total:
+            raise ValueError(f"request needs {need} KV blocks, the cache has {self.kv_blocks_total}")
+        params = replace(params, stop=tuple(s for s in params.stop if s))
+        seq = _Seq(request_id, list(prompt_ids), params,
+                   make_generator(params.seed) if params.temperature > 0 else None,
+                   IncrementalDetokenizer(self.tokenizer, prompt_ids),
+                   hold=max((len(s) for s in params.stop), default=1) - 1)
+        self._waiting[request_id] = seq
+        self._admit()
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request and free its KV now; False if it is unknown or already finished."""
+        if self._waiting.pop(request_id, None) is not None:
+            return True
+        if self._running.pop(request_id, None) is not None:
+            self.kv.free(request_id)
+            self._admit()
+            return True
+        return False
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            rid, seq = next(iter(self._waiting.items()))
+            need = len(seq.prompt) + seq.params.max_tokens
+            if not self.kv.allocator.can_allocate(need):
+                break
+            self.kv.allocate(rid, need)
+            del self._waiting[rid]
+            self._running[rid] = seq
+
+    # ---------------------------------------------------------------- step
+    def _plan(self) -> list[tuple[_Seq, SeqChunk]]:
+        budget, plan = self.max_batch_tokens, []
+        for seq in self._running.values():  # decode tokens first: they form the batched decode group
+            if budget and not seq.prefilling:
+                plan.append((seq, SeqChunk(seq.request_id, seq.computed, 1)))
+                budget -= 1
+        for seq in self._running.values():
+            if budget and seq.prefilling:
+                n = min(len(seq.prompt) - seq.computed, budget)
+                plan.append((seq, SeqChunk(seq.request_id, seq.computed, n)))
+                budget -= n
+        return plan
+
+    def step(self) -> StepResult:
+        """Run one iteration over the running batch; returns its events and timings."""
+        t0 = time.perf_counter()
+        self._admit()
+        plan = self._plan()
+        if not plan:
+            return StepResult([], {}, 0, 0, 0, (time.perf_counter() - t0) * 1e3)
+        with torch.inference_mode():
+            ids: list[int] = []
+            for seq, c in plan:
+                ids.extend(seq.prompt[c.start:c.start + c.length] if seq.prefilling else seq.output[-1:])
+            ctx = build_context(self.kv, [c for _, c in plan])
+            sampled = [i for i, (seq, c) in enumerate(plan) if c.start + c.length >= len(seq.prompt)]
+            last = ctx.last_rows()
+            head_rows = [last[i] for i in sampled]
+            seg_ms: dict[str, float] = {}
+            hidden = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+            for name in self._segments:
+                if name == "head" and not head_rows:
+                    break
+                if name == "head" and len(head_rows) != len(ids):  # only rows that sample need logits
+                    hidden = hidden[torch.tensor(head_rows, device=hidden.device)]
+                ts = time.perf_counter()
+                if self.segment_runner is None:
+                    hidden = self.model.run_segment(name, hidden, ctx)
+                else:
+                    hidden = self.segment_runner.run(name, hidden, ctx, partial(self.model.run_segment, name))
+                seg_ms[name] = (time.perf_counter() - ts) * 1e3
+            logits = hidden
+            tokens = self._sample([plan[i][0] for i in sampled], logits)
+        events, prefill_tokens, decode_tokens = [], 0, 0
+        tok_of = dict(zip(sampled, tokens))
+        for i, (seq, c) in enumerate(plan):
+            if seq.prefilling:
+                prefill_tokens += c.length
+            else:
+                decode_tokens += 1
+            seq.computed += c.length
+            if i in tok_of:
+                events.append(self._advance(seq, tok_of[i]))
+            else:
+                events.append(TokenEvent(seq.request_id, [], "", None, len(seq.prompt), 0))
+        self._admit()
+        return StepResult(events, seg_ms, len(plan), prefill_tokens, decode_tokens, (time.perf_counter() - t0) * 1e3)
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+        if not seqs:
+            return []
+        greedy = logits.argmax(dim=-1).tolist()
+        return [g if s.generator is None else sample_row(logits[r], s.params.temperature, s.params.top_p, s.generator)
+                for r, (s, g) in enumerate(zip(seqs, greedy))]
+
+    def _advance(self, seq: _Seq, token: int) -> TokenEvent:
+        """Append a sampled token, detokenize, apply stop conditions; free KV when finished."""
+        seq.output.append(token)
+        p = seq.params
+        finish = None
+        if token == self.tokenizer.eos_token_id and not p.ignore_eos:
+            finish = "stop"
+            new_text = seq.detok.flush()
+        else:
+            new_text = seq.detok.push([token])
+            if len(seq.output) >= p.max_tokens:
+                finish = "length"
+                new_text += seq.detok.flush()
+        text = seq.pending + new_text
+        cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish, seq.pending = text[:cut], "stop", ""
+        elif finish is None and seq.hold:
+            keep = min(seq.hold, len(text))
+            text, seq.pending = text[:len(text) - keep], text[len(text) - keep:]
+        else:
+            seq.pending = ""
+        if finish is not None:
+            self._running.pop(seq.request_id, None)
+            self.kv.free(seq.request_id)
+        return TokenEvent(seq.request_id, [token], text, finish, len(seq.prompt), len(seq.output))

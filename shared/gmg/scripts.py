@@ -38,7 +38,7 @@ local spec = cmsgpack.unpack(ARGV[2])
 local items, guards, muts, now = spec[1], spec[2], spec[3], spec[4]
 local bad = check_guards(guards)
 if bad then return bad end
-local need, order, seen, deltas = {}, {}, {}, {}
+local need, order, seen, deltas, kt = {}, {}, {}, {}, {}
 for i, it in ipairs(items) do
   local mode, dk, rk, owner, nbytes, dev = it[1], KEYS[it[2]], KEYS[it[3]], it[4], tonumber(it[7]), it[8]
   if redis.call('EXISTS', dk) == 0 then return {0, 'unknown_device', dev, ''} end
@@ -49,9 +49,12 @@ for i, it in ipairs(items) do
   if mode == 'new' then
     if cur then return {0, 'duplicate', dev, owner} end
     delta = nbytes
+    kt[i] = it[5] .. '|' .. it[6]
   else
     if not cur then return {0, 'unknown_owner', dev, owner} end
-    delta = nbytes - tonumber(string.match(cur, '^[^|]*|[^|]*|([^|]*)'))
+    local k, t, b = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)')
+    delta = nbytes - tonumber(b)
+    kt[i] = k .. '|' .. t
   end
   deltas[i] = delta
   if not need[dk] then need[dk] = 0; order[#order + 1] = {dk, dev} end
@@ -70,7 +73,7 @@ end
 local log = {}
 for i, it in ipairs(items) do
   local d = string.format('%d', deltas[i])
-  local v = it[5] .. '|' .. it[6] .. '|' .. string.format('%d', tonumber(it[7])) .. '|' .. now
+  local v = kt[i] .. '|' .. string.format('%d', tonumber(it[7])) .. '|' .. now
   redis.call('HINCRBY', KEYS[it[2]], 'reserved', d)
   redis.call('HSET', KEYS[it[3]], it[4], v)
   log[#log + 1] = {'hincrby', it[2], 'reserved', d}

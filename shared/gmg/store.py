@@ -1,89 +1,58 @@
 """The GMG's Redis store. Memory safety is enforced at commit by Lua scripts: a set of reservations is granted
-all-or-nothing only if, on every device touched, reserved + new <= capacity - headroom. Everything that occupies
-device memory is a reservation (weights, KV, lease buffers, staged guest weights); ``used`` is the measured figure
-the worker reports, for inspection and for checking the accounting. Each change bumps
-the GMG epoch and is appended to the change stream, inside the same script (atomic).
+all-or-nothing only if, on every device touched, reserved + new <= capacity - headroom (``limit``). Everything that
+occupies device memory is a reservation (weights, KV, lease buffers, activations, staged guest weights); ``used`` is
+the measured figure the worker reports, for inspection and for checking the accounting.
+
+Every write (commits by schedulers, structure and live state by the GMG service) bumps the GMG epoch and appends one
+replayable entry to the change stream inside the same script (:mod:`shared.gmg.mutations`), so a follower can
+rebuild the GMG from a snapshot plus the stream. Leases and weight staging live in :mod:`shared.gmg.leases`.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+import msgspec
 import redis.asyncio as aioredis
 
 from shared.config import ClusterConfig, TenantsConfig
 from shared.gmg.keys import GMGKeys
+from shared.gmg.mutations import APPLY_SCRIPT, MutationBatch
+from shared.gmg.scripts import COMMIT, RELEASE
 
 CHANGES_MAXLEN = 100_000
-
-# KEYS: epoch, changes, then per device: device hash, reservations hash
-# ARGV: n, now, then per reservation: device, owner, kind, tenant, bytes
-_RESERVE = """
-local n = tonumber(ARGV[1])
-local now = ARGV[2]
-local need = {}
-for i = 0, n - 1 do
-  local dkey = KEYS[3 + 2 * i]
-  local rkey = KEYS[4 + 2 * i]
-  local owner = ARGV[4 + 5 * i]
-  if redis.call('HEXISTS', rkey, owner) == 1 then
-    return {0, 'duplicate', ARGV[3 + 5 * i], owner}
-  end
-  if redis.call('EXISTS', dkey) == 0 then
-    return {0, 'unknown_device', ARGV[3 + 5 * i], '0'}
-  end
-  need[dkey] = (need[dkey] or 0) + tonumber(ARGV[7 + 5 * i])
-end
-for dkey, bytes in pairs(need) do
-  local limit = tonumber(redis.call('HGET', dkey, 'limit') or '0')
-  local reserved = tonumber(redis.call('HGET', dkey, 'reserved') or '0')
-  if reserved + bytes > limit then
-    return {0, 'insufficient_memory', redis.call('HGET', dkey, 'id'), tostring(limit - reserved)}
-  end
-end
-for i = 0, n - 1 do
-  local dkey = KEYS[3 + 2 * i]
-  local rkey = KEYS[4 + 2 * i]
-  local b = tonumber(ARGV[7 + 5 * i])
-  redis.call('HINCRBY', dkey, 'reserved', b)
-  redis.call('HSET', rkey, ARGV[4 + 5 * i], ARGV[5 + 5 * i] .. '|' .. ARGV[6 + 5 * i] .. '|' .. b .. '|' .. now)
-end
-local epoch = redis.call('INCR', KEYS[1])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[#ARGV], '*', 'op', 'reserve', 'epoch', epoch, 'n', n,
-           'device', ARGV[3], 'owner', ARGV[4])
-return {1, 'ok', tostring(epoch), ''}
-"""
-
-# KEYS: epoch, changes, device hash, reservations hash; ARGV: owner, maxlen
-_RELEASE = """
-local v = redis.call('HGET', KEYS[4], ARGV[1])
-if not v then return {0, '0'} end
-local b = tonumber(string.match(v, '[^|]*|[^|]*|([^|]*)'))
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('HINCRBY', KEYS[3], 'reserved', -b)
-local epoch = redis.call('INCR', KEYS[1])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'op', 'release', 'epoch', epoch,
-           'device', redis.call('HGET', KEYS[3], 'id'), 'owner', ARGV[1])
-return {1, tostring(b)}
-"""
 
 
 @dataclass(frozen=True)
 class Reservation:
+    """Memory held on a device by ``owner``; ``nbytes`` counts against the device's limit."""
+
     device: str
-    owner: str  # e.g. "kv:<request_id>", "lease:<id>", "weights:<tenant>:<segment>"
+    owner: str  # e.g. "kv:<request_id>", "lease:<id>", "weights:<tenant>:<segment>", "act:<id>"
     kind: str  # kv | weights | lease | activation | staging
     tenant: str
     nbytes: int
 
 
 @dataclass(frozen=True)
-class Refused:
-    """A clean refusal: nothing was reserved anywhere."""
+class Resize:
+    """Set an existing reservation to ``nbytes`` (KV growth or shrink); growth is checked like a new reservation."""
 
-    reason: str  # insufficient_memory | unknown_device | duplicate
+    device: str
+    owner: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A clean refusal: nothing was reserved or changed anywhere."""
+
+    reason: str  # insufficient_memory | unknown_device | duplicate | unknown_owner | conflict | invalid
     device: str
     detail: str = ""
+
+
+Guard = tuple[str, str, tuple[str, ...]]  # (hash key, field, accepted values: '' = missing, '*' = any present)
 
 
 class GMGStore:
@@ -92,54 +61,95 @@ class GMGStore:
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
         self.redis = redis
         self.keys = GMGKeys(prefix)
-        self._reserve = redis.register_script(_RESERVE)
-        self._release = redis.register_script(_RELEASE)
+        self._apply = redis.register_script(APPLY_SCRIPT)
+        self._commit = redis.register_script(COMMIT)
+        self._release = redis.register_script(RELEASE)
+
+    def batch(self) -> MutationBatch:
+        """A new mutation batch for :meth:`apply` / :meth:`commit`."""
+        return MutationBatch(self.keys.epoch, self.keys.changes)
+
+    # ------------------------------------------------------------ generic writes
+    async def apply(self, op: str, batch: MutationBatch) -> int:
+        """Apply ``batch`` atomically with an epoch bump and a change entry named ``op``; returns the epoch."""
+        if not len(batch):
+            return await self.epoch()
+        keys, args = batch.script_args(op, CHANGES_MAXLEN)
+        return int(await self._apply(keys=keys, args=args))
+
+    async def commit(self, op: str, items: list[Reservation | Resize], *, guards: list[Guard] = (),
+                     batch: MutationBatch | None = None) -> int | Refused:
+        """Reserve/resize ``items``, check ``guards`` and apply ``batch``, all or nothing; epoch or Refused."""
+        b = batch or self.batch()
+        spec_items = []
+        for r in items:
+            if r.nbytes < 0:
+                return Refused("invalid", r.device, "negative size")
+            dk, rk = b._k(self.keys.device(r.device)), b._k(self.keys.reservations(r.device))
+            if isinstance(r, Reservation):
+                spec_items.append(["new", dk, rk, r.owner, r.kind, r.tenant, str(int(r.nbytes)), r.device])
+            else:
+                spec_items.append(["resize", dk, rk, r.owner, "", "", str(int(r.nbytes)), r.device])
+        spec_guards = [[b._k(k), f, *acc] for k, f, acc in guards]
+        spec = msgspec.msgpack.encode([spec_items, spec_guards, b.muts, f"{time.time():.6f}"])
+        ok, reason, a, c = await self._commit(keys=b.keys, args=[op, spec, CHANGES_MAXLEN, *b.blobs])
+        if int(ok) == 1:
+            return int(a)
+        return Refused(_s(reason), _s(a), _s(c))
+
+    async def release_many(self, op: str, owners: list[tuple[str, str]], *, guards: list[Guard] = (),
+                           batch: MutationBatch | None = None) -> tuple[int, int] | Refused:
+        """Release ``(device, owner)`` pairs (missing ones are skipped) plus ``batch``; (freed bytes, epoch)."""
+        b = batch or self.batch()
+        spec_items = [[b._k(self.keys.device(d)), b._k(self.keys.reservations(d)), o] for d, o in owners]
+        spec_guards = [[b._k(k), f, *acc] for k, f, acc in guards]
+        spec = msgspec.msgpack.encode([spec_items, spec_guards, b.muts])
+        ok, freed, epoch, extra = await self._release(keys=b.keys, args=[op, spec, CHANGES_MAXLEN])
+        if _s(freed) == "conflict":
+            return Refused("conflict", "", f"{_s(epoch)}={_s(extra)}")
+        return int(freed), int(epoch)
 
     # ------------------------------------------------------------ registry (GMG service)
-    async def register_cluster(self, cluster: ClusterConfig, tenants: TenantsConfig) -> None:
-        """Create/refresh device and tenant hashes; keeps live counters (used/reserved) of existing devices."""
+    async def register_cluster(self, cluster: ClusterConfig, tenants: TenantsConfig,
+                               graphs: dict[str, bytes] | None = None) -> int:
+        """Create/refresh device and tenant hashes (and model graphs); keeps live fields of existing devices."""
         homes = {d: t.name for t in tenants.tenants for d in t.home_devices}
-        pipe = self.redis.pipeline(transaction=True)
+        existing = await self.devices()
+        b = self.batch()
         for d in cluster.devices:
             limit = int(d.memory_bytes * (1 - cluster.headroom_fraction))
-            pipe.hset(self.keys.device(d.id), mapping={
-                "id": d.id, "backend": d.backend, "kind": d.kind, "host": d.host, "capacity": d.memory_bytes,
-                "headroom": d.memory_bytes - limit, "limit": limit, "home_tenant": homes.get(d.id, ""),
-                "label": "emulated" if d.backend == "emulated" else d.backend})
-            pipe.hsetnx(self.keys.device(d.id), "used", 0)
-            pipe.hsetnx(self.keys.device(d.id), "reserved", 0)
-            pipe.hsetnx(self.keys.device(d.id), "state", "down")
-            pipe.sadd(self.keys.devices, d.id)
+            fields = {"id": d.id, "backend": d.backend, "kind": d.kind, "host": d.host, "capacity": d.memory_bytes,
+                      "headroom": d.memory_bytes - limit, "limit": limit, "home_tenant": homes.get(d.id, ""),
+                      "label": "emulated" if d.backend == "emulated" else d.backend}
+            for f, default in (("used", "0"), ("reserved", "0"), ("state", "down")):
+                if f not in existing.get(d.id, {}):
+                    fields[f] = default
+            b.hset(self.keys.device(d.id), fields)
+            b.add("sadd", self.keys.devices, d.id)
         for t in tenants.tenants:
-            pipe.hset(self.keys.tenant(t.name), mapping={
+            b.hset(self.keys.tenant(t.name), {
                 "name": t.name, "model": t.model.preset or t.model.checkpoint or "config",
                 "sla_ttft_ms": t.sla.ttft_ms, "sla_tpot_ms": t.sla.tpot_ms, "home_devices": ",".join(t.home_devices),
-                "max_queue": t.max_queue})
-            pipe.sadd(self.keys.tenants, t.name)
-        pipe.incr(self.keys.epoch)
-        await pipe.execute()
+                "max_queue": t.max_queue, "weight_bytes": t.model.config.weight_bytes(),
+                "kv_bytes_per_token": t.model.config.kv_bytes_per_token()})
+            b.add("sadd", self.keys.tenants, t.name)
+            if graphs and t.name in graphs:
+                b.setblob(self.keys.model_graph(t.name), graphs[t.name])
+        return await self.apply("register", b)
 
     # ------------------------------------------------------------ memory commits
     async def reserve(self, items: list[Reservation]) -> int | Refused:
         """Reserve all ``items`` atomically; returns the new epoch, or a :class:`Refused` (nothing reserved)."""
-        keys = [self.keys.epoch, self.keys.changes]
-        args: list = [len(items), f"{time.time():.6f}"]
-        for r in items:
-            if r.nbytes < 0:
-                return Refused("invalid", r.device, "negative size")
-            keys += [self.keys.device(r.device), self.keys.reservations(r.device)]
-            args += [r.device, r.owner, r.kind, r.tenant, int(r.nbytes)]
-        args.append(CHANGES_MAXLEN)
-        ok, reason, a, b = await self._reserve(keys=keys, args=args)
-        if int(ok) == 1:
-            return int(a)
-        return Refused(_s(reason), _s(a), _s(b))
+        return await self.commit("reserve", items)
+
+    async def resize(self, device: str, owner: str, nbytes: int) -> int | Refused:
+        """Grow or shrink an existing reservation to ``nbytes`` (growth refused past the device's limit)."""
+        return await self.commit("resize", [Resize(device, owner, nbytes)])
 
     async def release(self, device: str, owner: str) -> int:
         """Release one reservation (idempotent); returns the bytes freed (0 if there was none)."""
-        ok, b = await self._release(keys=[self.keys.epoch, self.keys.changes, self.keys.device(device),
-                                          self.keys.reservations(device)], args=[owner, CHANGES_MAXLEN])
-        return int(b)
+        res = await self.release_many("release", [(device, owner)])
+        return 0 if isinstance(res, Refused) else res[0]
 
     async def reservations(self, device: str) -> dict[str, Reservation]:
         raw = await self.redis.hgetall(self.keys.reservations(device))
@@ -150,11 +160,9 @@ class GMGStore:
         return out
 
     # ------------------------------------------------------------ live device state (GMG service)
-    async def update_device(self, device: str, fields: dict) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.device(device), mapping={k: str(v) for k, v in fields.items()})
-        pipe.incr(self.keys.epoch)
-        await pipe.execute()
+    async def update_device(self, device: str, fields: dict, op: str = "device_update") -> int:
+        """Set plain fields of a device hash (live state written by the GMG service); returns the epoch."""
+        return await self.apply(op, self.batch().hset(self.keys.device(device), fields))
 
     async def device(self, device: str) -> dict[str, str]:
         return {_s(k): _s(v) for k, v in (await self.redis.hgetall(self.keys.device(device))).items()}

@@ -42,7 +42,7 @@ class BatchContext:
     slot_mapping: torch.Tensor | slice  # [T] long: where each row's K/V is written (a range for one chunk)
     n_decode: int = 0
     decode_gather: torch.Tensor | slice | None = None  # [D, Lmax] slot indices (a range for one sequence)
-    decode_bias: torch.Tensor | None = None  # [D, 1, 1, Lmax] additive mask; None when all lengths are equal
+    decode_bias: torch.Tensor | None = None  # [D, 1, Lmax] additive mask; None when all lengths are equal
     prefills: list[PrefillGroup] = field(default_factory=list)
     rope: dict = field(default_factory=dict)  # filled by the model: cos/sin rows for ``positions``
 
@@ -63,7 +63,7 @@ def build_context(kv: PagedKVCache, chunks: list[SeqChunk]) -> BatchContext:
     """Lay out a batch; every chunk's sequence must already hold KV blocks for its positions."""
     if not chunks:
         raise ValueError("a batch needs at least one chunk")
-    device = next(iter(kv.k.values())).device if kv.k else torch.device("cpu")
+    device = kv.device
     slot_rows = [kv.seq_slots(c.seq_id) for c in chunks]
     for c, slots in zip(chunks, slot_rows):
         if c.start + c.length > slots.shape[0]:
@@ -92,10 +92,10 @@ def build_context(kv: PagedKVCache, chunks: list[SeqChunk]) -> BatchContext:
             ctx.decode_gather = torch.stack([slot_rows[i][:lmax] for i in range(n_dec)])
         else:
             gather = torch.zeros(n_dec, lmax, dtype=torch.long, device=device)
-            bias = torch.zeros(n_dec, 1, 1, lmax, device=device)
+            bias = torch.zeros(n_dec, 1, lmax, device=device)
             for i, n in enumerate(lens):
                 gather[i, :n] = slot_rows[i][:n]
-                bias[i, ..., n:] = float("-inf")
+                bias[i, :, n:] = float("-inf")
             ctx.decode_gather, ctx.decode_bias = gather, bias
     row = sum(c.length for c in chunks[:n_dec])
     for c, slots, s0 in zip(chunks[n_dec:], slot_rows[n_dec:], starts[n_dec:]):

@@ -224,7 +224,7 @@ class Engine:
                 if name == "head" and not head_rows:
                     break
                 if name == "head" and len(head_rows) != len(ids):  # only rows that sample need logits
-                    hidden = hidden[torch.tensor(head_rows, device=hidden.device)]
+                    hidden = hidden.index_select(0, torch.tensor(head_rows, device=hidden.device))
                 ts = time.perf_counter()
                 if self.segment_runner is None:
                     hidden = self.model.run_segment(name, hidden, ctx)

@@ -1,6 +1,7 @@
 """Paged KV cache: a block allocator with per-sequence block tables, and the K/V tensors it indexes.
 
-The cache is a flat array of *slots* per layer (``num_blocks * block_size`` rows of ``[kv_heads, head_dim]``);
+The cache of one layer is a ``[kv_heads, num_blocks * block_size, head_dim]`` tensor indexed by *slot*
+(kv head major, so attention over one sequence's consecutive slots is a strided view, no copy);
 a sequence's token at position ``p`` lives in slot ``table[p // block_size] * block_size + p % block_size``.
 """
 from __future__ import annotations
@@ -97,8 +98,8 @@ class PagedKVCache:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for layer in self.layers:
-            self.k[layer] = torch.zeros(slots, kvh, hd, dtype=dtype, device=device)
-            self.v[layer] = torch.zeros(slots, kvh, hd, dtype=dtype, device=device)
+            self.k[layer] = torch.zeros(kvh, slots, hd, dtype=dtype, device=device)
+            self.v[layer] = torch.zeros(kvh, slots, hd, dtype=dtype, device=device)
         elem = torch.tensor([], dtype=dtype).element_size()
         per_block = 2 * len(self.layers) * block_size * kvh * hd * elem
         self.allocator = BlockAllocator(num_blocks, block_size, per_block)

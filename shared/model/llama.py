@@ -39,13 +39,14 @@ def hf_names(cfg: ModelConfig, segment: str) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
 
 
-def _take(cache: Tensor, idx: Tensor | slice, rows: int = 0) -> Tensor:
-    """Rows of a KV cache: a view for a contiguous slot range, else a gather (``rows``: batch the result)."""
-    if isinstance(idx, slice):
-        out = cache[idx]
-        return out.unsqueeze(0) if rows else out
-    out = cache.index_select(0, idx.reshape(-1))
-    return out.view(rows, -1, *cache.shape[1:]) if rows else out
+def _take(cache: Tensor, idx: Tensor | slice, seqs: int = 0) -> Tensor:
+    """Positions of a [kvh, slots, hd] cache: a view for a slot range, else a gather.
+
+    With ``seqs`` the result is [kvh * seqs, L, hd] (kv head major) for a batched GEMM.
+    """
+    kvh, hd = cache.shape[0], cache.shape[2]
+    out = cache[:, idx] if isinstance(idx, slice) else cache.index_select(1, idx.reshape(-1))
+    return out.reshape(kvh * seqs, -1, hd) if seqs else out
 
 
 class LlamaModel:
@@ -216,28 +217,32 @@ class LlamaModel:
         rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
         qk = qk * cos + rotated * sin
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:]
-        kc, vc = ctx.kv.k[layer], ctx.kv.v[layer]  # type: ignore[union-attr]
+        kc, vc = ctx.kv.k[layer], ctx.kv.v[layer]  # type: ignore[union-attr]  # [kvh, slots, hd]
         if isinstance(ctx.slot_mapping, slice):
-            kc[ctx.slot_mapping] = k
-            vc[ctx.slot_mapping] = v
+            kc[:, ctx.slot_mapping] = k.transpose(0, 1)
+            vc[:, ctx.slot_mapping] = v.transpose(0, 1)
         else:
-            kc.index_copy_(0, ctx.slot_mapping, k)
-            vc.index_copy_(0, ctx.slot_mapping, v)
+            kc.index_copy_(1, ctx.slot_mapping, k.transpose(0, 1))
+            vc.index_copy_(1, ctx.slot_mapping, v.transpose(0, 1))
         g = nh // kvh
         parts: list[Tensor] = []
         if ctx.n_decode:
+            # one batched GEMM over (kv head, sequence); the g query heads of a kv head are the GEMM's rows
             d = ctx.n_decode
-            keys, vals = _take(kc, ctx.decode_gather, d), _take(vc, ctx.decode_gather, d)  # [D, L, kvh, hd]
-            s = torch.matmul(q[:d].reshape(d, kvh, g, hd), keys.permute(0, 2, 3, 1))  # [D, kvh, g, L]
-            p = self._softmax(s, ctx.decode_bias)
-            parts.append(torch.matmul(p, vals.transpose(1, 2)).reshape(d, nh * hd))
+            keys, vals = _take(kc, ctx.decode_gather, d), _take(vc, ctx.decode_gather, d)  # [kvh*D, L, hd]
+            qd = q[:d].reshape(d, kvh, g, hd).transpose(0, 1).reshape(kvh * d, g, hd)
+            s = torch.bmm(qd, keys.transpose(1, 2))  # [kvh*D, g, L]
+            p = self._softmax(s.view(kvh, d, g, -1), ctx.decode_bias).view(kvh * d, g, -1)
+            o = torch.bmm(p, vals).view(kvh, d, g, hd)
+            parts.append(o.transpose(0, 1).reshape(d, nh * hd))
         for pf in ctx.prefills:
-            qp = q[pf.row:pf.row + pf.n].reshape(pf.n, kvh, g, hd).permute(1, 2, 0, 3)  # [kvh, g, n, hd]
-            keys, vals = _take(kc, pf.gather), _take(vc, pf.gather)  # [L, kvh, hd]
-            s = torch.matmul(qp, keys.permute(1, 2, 0).unsqueeze(1))  # [kvh, g, n, L]
-            p = self._softmax(s, pf.bias)
-            o = torch.matmul(p, vals.transpose(0, 1).unsqueeze(1))  # [kvh, g, n, hd]
-            parts.append(o.permute(2, 0, 1, 3).reshape(pf.n, nh * hd))
+            n = pf.n
+            qp = q[pf.row:pf.row + n].reshape(n, kvh, g, hd).permute(1, 2, 0, 3).reshape(kvh, g * n, hd)
+            keys, vals = _take(kc, pf.gather), _take(vc, pf.gather)  # [kvh, L, hd]
+            s = torch.bmm(qp, keys.transpose(1, 2))  # [kvh, g*n, L]
+            p = self._softmax(s.view(kvh, g, n, -1), pf.bias).view(kvh, g * n, -1)
+            o = torch.bmm(p, vals).view(kvh, g, n, hd)
+            parts.append(o.permute(2, 0, 1, 3).reshape(n, nh * hd))
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         return x + attn @ w["o"]
 

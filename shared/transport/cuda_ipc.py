@@ -7,7 +7,8 @@ and base64'd, into ``TensorHandle.location``: no pickle. The receiver rebuilds t
 called directly), waits on the producer's IPC event, copies device-to-device into ``out`` and acks.
 
 Keep-alive: the sender holds each buffer until the receiver writes the transfer's generation into the sender's
-ack board (a small shared-memory segment, one u64 word per keep-alive slot), or until ``stale_after_s``. Even
+ack board (a small shared-memory segment, two u64 words per keep-alive slot: the generation the sender keeps and
+the generation the receiver acked), or until ``stale_after_s``. Even
 after that, torch's producer-side IPC ref counter keeps the allocation from being reused while a receiver still
 maps it. Both processes must see the same CUDA device numbering (same ``CUDA_VISIBLE_DEVICES``).
 """
@@ -72,10 +73,15 @@ class _Kept:
     expires: float
 
 
-async def _gpu_done(timeout_s: float, what: str) -> None:
-    """Wait (without blocking the event loop) until the current stream's work so far has finished."""
+def _mark() -> torch.cuda.Event:
+    """An event recorded on the current device's current stream."""
     event = torch.cuda.Event()
     event.record()
+    return event
+
+
+async def _gpu_done(event: torch.cuda.Event, timeout_s: float, what: str) -> None:
+    """Wait, without blocking the event loop, until ``event`` (the work queued before it) has completed."""
     deadline = time.monotonic() + timeout_s
     while not event.query():
         if time.monotonic() > deadline:
@@ -107,7 +113,7 @@ class CudaIpcTransport(Transport):
     async def start(self) -> None:
         self._check_open()
         if self._board is None:
-            self._board = _Segment(self.shm_dir / self.ack_name, 8 * self.max_kept, create=True)
+            self._board = _Segment(self.shm_dir / self.ack_name, 16 * self.max_kept, create=True)
             self._sweeper = asyncio.create_task(self._sweep_loop())
 
     # ---------------------------------------------------------------- sender side
@@ -119,11 +125,16 @@ class CudaIpcTransport(Transport):
         index = await wait_until(lambda: self._reserve(nbytes), time.monotonic() + timeout_s,
                                  f"cuda_ipc keep-alive space for transfer {transfer_id}")
         keep = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-        keep.copy_(tensor)
         gen = next(self._gens)
-        self._board.put(8 * index, 0)
+        self._board.put(16 * index, gen)
+        self._board.put(16 * index + 8, 0)
         self._kept[index] = _Kept(transfer_id, keep, gen, time.monotonic() + self.limits.stale_after_s)
         self._by_id[transfer_id] = index
+        with torch.cuda.device(keep.device):
+            keep.copy_(tensor)
+            copied = _mark()
+        # the copy must be complete before the handle can reach a receiver on any path
+        await _gpu_done(copied, timeout_s, f"transfer {transfer_id}")
         if nbytes:
             (dev, handle, size, offset, ref_h, ref_off, ev_h, ev_sync) = keep.untyped_storage()._share_cuda_()
         else:
@@ -145,13 +156,14 @@ class CudaIpcTransport(Transport):
 
     def _drop(self, index: int) -> None:
         kept = self._kept.pop(index)
+        self._board.put(16 * index, 0)
         self._by_id.pop(kept.transfer_id, None)
         self._kept_bytes -= kept.tensor.numel() * kept.tensor.element_size()
 
     def _sweep(self) -> int:
         now, freed = time.monotonic(), 0
         for index, kept in list(self._kept.items()):
-            if self._board.get(8 * index) == kept.gen:
+            if self._board.get(16 * index + 8) == kept.gen:
                 self._drop(index)
                 freed += 1
             elif now > kept.expires:
@@ -179,8 +191,10 @@ class CudaIpcTransport(Transport):
         if zero_copy and out is None:
             self._held[handle.transfer_id] = (handle, loc)
             return src
-        result = src.clone() if out is None else out.copy_(src)
-        await _gpu_done(timeout_s, f"transfer {handle.transfer_id}")
+        with torch.cuda.device(src.device if out is None else out.device):
+            result = src.clone() if out is None else out.copy_(src)
+            copied = _mark()
+        await _gpu_done(copied, timeout_s, f"transfer {handle.transfer_id}")
         del src
         self._ack(handle, loc)
         return result
@@ -198,8 +212,8 @@ class CudaIpcTransport(Transport):
             if index is None or self._kept[index].gen != handle.seq:
                 raise TransferExpired(f"transfer {handle.transfer_id} is no longer kept")
             return self._kept[index].tensor
-        if self._ack_board(loc).get(8 * loc.ack_index) != 0:
-            raise TransferExpired(f"transfer {handle.transfer_id} was already acked")
+        if self._ack_board(loc).get(16 * loc.ack_index) != handle.seq:
+            raise TransferExpired(f"transfer {handle.transfer_id} is no longer kept by the sender")
         if not handle.nbytes:
             return torch.empty(handle.shape, dtype=dtype, device=f"cuda:{loc.device}")
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -227,7 +241,7 @@ class CudaIpcTransport(Transport):
             if index is not None and self._kept[index].gen == handle.seq:
                 self._drop(index)
             return
-        self._ack_board(loc).put(8 * loc.ack_index, handle.seq)
+        self._ack_board(loc).put(16 * loc.ack_index + 8, handle.seq)
 
     async def close(self) -> None:
         if self._closed:
@@ -236,6 +250,7 @@ class CudaIpcTransport(Transport):
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._kept.clear()
+        self._kept_bytes = 0
         self._by_id.clear()
         self._held.clear()
         for board in self._boards.values():

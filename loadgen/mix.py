@@ -66,7 +66,7 @@ def tenant_arrivals(plan: TenantPlan, rate_scale: float, duration_s: float,
         return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)
     period = tr.period_s
     horizon = duration_s * rate_scale
-    u = np.mod(tr.arrival_s + plan.offset_s, period)
+    u = np.mod(tr.arrival_s - plan.offset_s, period)  # the tenant starts reading its trace at offset_s
     order = np.argsort(u, kind="stable")
     u, inp, out = u[order], tr.input_tokens[order], tr.output_tokens[order]
     tiles = max(1, math.ceil(horizon / period))

@@ -124,7 +124,11 @@ class CudaIpcTransport(Transport):
         dname, shape, nbytes = check_tensor(tensor, self.limits)
         index = await wait_until(lambda: self._reserve(nbytes), time.monotonic() + timeout_s,
                                  f"cuda_ipc keep-alive space for transfer {transfer_id}")
-        keep = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        try:
+            keep = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        except BaseException:
+            self._kept_bytes -= nbytes
+            raise
         gen = next(self._gens)
         self._board.put(16 * index, gen)
         self._board.put(16 * index + 8, 0)

@@ -1,0 +1,274 @@
+"""The gateway process: the aiohttp app, its error middleware, and the Redis I/O of each request.
+
+Flow of a generation request: authenticate → parse/validate → tokenize → context check → admission → XADD an
+InferenceRequest → wait for TokenChunk / RequestError entries routed from this gateway's tokens stream → respond
+(JSON, or SSE). A client disconnect (aiohttp cancels the handler) or an idle timeout sends a CancelRequest so the
+scheduler and the worker free the request's KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.gateway.admission import Admission, overloaded
+from services.gateway.core import (ApiError, GatewayLimits, KeyIndex, ParsedRequest, check_content_type,
+                                   check_context, check_token_ids, decode_json, parse_request)
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import openapi_document
+from services.gateway.responses import http_error
+from services.gateway.streaming import RequestContext, respond
+from services.gateway.tokens import TokenRouter
+from shared.config import Settings, TenantConfig, TenantsConfig
+from shared.messages import CancelRequest, InferenceRequest, requests_stream, tokens_stream
+from shared.model.tokenizer import load_tokenizer
+from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
+from shared.service import ServiceShell, instance_id
+from shared.streams import StreamProducer
+
+log = structlog.get_logger()
+
+REDIS_RETRY_AFTER_S = 2
+REDIS_FAST_FAIL_S = 1.0  # after a failed XADD, answer 503 at once for this long instead of waiting on Redis again
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 400: "invalid_request",
+               415: "unsupported_media_type", 411: "length_required", 408: "request_timeout"}
+
+
+class GatewayService:
+    """One gateway instance: ``start()`` serves HTTP and reads its tokens stream; ``stop()`` drains."""
+
+    def __init__(self, settings: Settings, tenants: TenantsConfig, limits: GatewayLimits | None = None) -> None:
+        self.settings, self.tenants = settings, tenants
+        self.limits = limits or GatewayLimits()
+        self.gateway_id = instance_id("gateway")
+        self.redis = command_client(settings.redis_url, socket_timeout_s=self.limits.redis_op_timeout_s,
+                                    pool_timeout_s=self.limits.redis_op_timeout_s, max_connections=256,
+                                    name=self.gateway_id)
+        self.blocking = blocking_client(settings.redis_url, block_ms=1000, name=f"{self.gateway_id}-tokens")
+        self.shell = ServiceShell("gateway", self.gateway_id, prefix=settings.prefix, redis=self.redis,
+                                  drain_s=self.limits.drain_s)
+        self.metrics = GatewayMetrics(self.shell.registry)
+        self.keys = KeyIndex(tenants)
+        self.admission = Admission(self.limits.max_inflight)
+        self.producer = StreamProducer(self.redis)
+        self.requests_stream = requests_stream(settings.prefix)
+        self.router = TokenRouter(cmd=self.redis, blocking=self.blocking,
+                                  stream=tokens_stream(settings.prefix, self.gateway_id))
+        self.tokenizers = {t.name: load_tokenizer(t.model.checkpoint, t.model.config) for t in tenants.tenants}
+        self.draining = False
+        self.started_ts = int(time.time())
+        self._redis_failed_at = -1e9
+        self._openapi = openapi_document()
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._cancels: set[asyncio.Task] = set()
+        self.host, self.port = settings.gateway_host, settings.gateway_port
+
+    # ------------------------------------------------------------ lifecycle
+    def build_app(self) -> web.Application:
+        # The body limit is enforced by aiohttp (client_max_size) and checked up front from Content-Length.
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._middleware])
+        app.router.add_post("/v1/completions", self._h_completions)
+        app.router.add_post("/v1/chat/completions", self._h_chat)
+        app.router.add_get("/v1/models", self._h_models)
+        app.router.add_get("/health", self._h_health)
+        app.router.add_get("/metrics", self._h_metrics)
+        app.router.add_get("/openapi.json", self._h_openapi)
+        return app
+
+    async def start(self) -> int:
+        """Serve HTTP and start the background loops; returns the bound port."""
+        self._runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=2.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.shell.port = self.port
+        self._tasks = [asyncio.create_task(self.router.run(self.shell.stop), name="tokens_read"),
+                       asyncio.create_task(self.router.housekeeping_loop(self.shell.stop), name="tokens_housekeeping"),
+                       asyncio.create_task(self.shell.heartbeat_loop(self._health_extra), name="heartbeat")]
+        self.shell.ready = True
+        log.info("gateway_listening", host=self.host, port=self.port, gateway=self.gateway_id,
+                 tenants=self.tenants.names())
+        return self.port
+
+    async def stop(self) -> None:
+        """Refuse new requests, let in-flight ones finish (up to the drain time), then close everything."""
+        self.draining = True
+        deadline = time.monotonic() + self.limits.drain_s
+        while self.admission.total_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.admission.total_inflight:
+            log.warning("gateway_drain_timeout", inflight=self.admission.total_inflight)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.shell.stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._cancels:
+            await asyncio.wait(list(self._cancels), timeout=self.limits.redis_op_timeout_s)
+        await self.router.delete_stream()
+        await close_quietly(self.blocking, self.redis)
+        log.info("gateway_stopped")
+
+    async def run(self) -> None:
+        """The process entry: serve until SIGTERM/SIGINT, then drain."""
+        self.shell.install_signal_handlers()
+        await self.start()
+        await self.shell.stop.wait()
+        await self.stop()
+
+    def _health_extra(self) -> dict:
+        return {"inflight": self.admission.total_inflight, "draining": int(self.draining)}
+
+    # ------------------------------------------------------------ middleware
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        rid = uuid.uuid4().hex
+        request["request_id"] = rid
+        with structlog.contextvars.bound_contextvars(service="gateway", request_id=rid, tenant=None):
+            try:
+                resp = await handler(request)
+            except ApiError as e:
+                resp = self._error_response(request, e)
+            except web.HTTPException as e:  # routing and body-size errors raised by aiohttp itself
+                if e.status < 400:
+                    raise
+                err = http_error(e.status, e.reason or "error", _HTTP_CODES.get(e.status, "http_error"))
+                resp = self._error_response(request, err)
+                if "Allow" in e.headers:
+                    resp.headers["Allow"] = e.headers["Allow"]
+            except asyncio.CancelledError:  # the client went away (handler cancellation)
+                if request.path.startswith("/v1/") and not request.get("outcome_recorded"):
+                    self.metrics.outcome(request.get("tenant"), "cancelled")
+                log.info("request_cancelled", path=request.path)
+                raise
+            except Exception:
+                log.exception("unhandled_exception", path=request.path)
+                resp = self._error_response(request, ApiError(500, "internal error", type="server_error",
+                                                              code="internal_error", outcome="error"))
+            if not resp.prepared:
+                resp.headers["X-Request-Id"] = rid
+            return resp
+
+    def _error_response(self, request: web.Request, err: ApiError) -> web.Response:
+        if request.path.startswith("/v1/") and not request.get("outcome_recorded"):
+            self.metrics.outcome(request.get("tenant"), err.outcome)
+        level = log.warning if err.status >= 500 else log.info
+        level("request_rejected", status=err.status, code=err.code, param=err.param, path=request.path)
+        return web.json_response(err.body(), status=err.status, headers=err.headers())
+
+    # ------------------------------------------------------------ simple endpoints
+    async def _h_health(self, request: web.Request) -> web.Response:
+        h = self.shell.health()
+        if self.draining:
+            h["status"] = "draining"
+        return web.json_response(h, status=200 if h["status"] == "ok" else 503)
+
+    async def _h_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.shell.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _h_openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self._openapi)
+
+    async def _h_models(self, request: web.Request) -> web.Response:
+        tenant = self._auth(request)
+        model = {"id": tenant.name, "object": "model", "created": self.started_ts, "owned_by": tenant.name,
+                 "max_model_len": tenant.model.config.max_position_embeddings}
+        return web.json_response({"object": "list", "data": [model]})
+
+    # ------------------------------------------------------------ generation
+    async def _h_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _h_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _auth(self, request: web.Request) -> TenantConfig:
+        tenant = self.keys.authenticate(request.headers.get("Authorization"))
+        request["tenant"] = tenant.name
+        structlog.contextvars.bind_contextvars(tenant=tenant.name)
+        return tenant
+
+    async def _read_json(self, request: web.Request):
+        check_content_type(request.headers.get("Content-Type"))
+        if request.content_length is not None and request.content_length > self.limits.max_body_bytes:
+            raise http_error(413, f"request body is larger than {self.limits.max_body_bytes} bytes",
+                             "request_too_large")
+        return decode_json(await request.read())
+
+    def _prompt_ids(self, tenant: TenantConfig, p: ParsedRequest) -> list[int]:
+        tok = self.tokenizers[tenant.name]
+        if p.prompt_ids is not None:
+            check_token_ids(p.prompt_ids, tenant.model.config.vocab_size)
+            ids = list(p.prompt_ids)
+        else:
+            text = tok.apply_chat_template(list(p.messages)) if p.chat else (p.prompt_text or "")
+            ids = tok.encode(text)
+        bos = tok.bos_token_id
+        return [bos, *ids] if bos is not None else ids
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival_mono, arrival_ts = time.monotonic(), time.time()
+        rid = request["request_id"]
+        tenant = self._auth(request)
+        parsed = parse_request(await self._read_json(request), chat=chat)
+        tenant = self.keys.resolve_model(tenant, parsed.model)
+        prompt_ids = self._prompt_ids(tenant, parsed)
+        check_context(len(prompt_ids), parsed.max_tokens, tenant.model.config.max_position_embeddings, chat=chat,
+                      max_tokens_param=parsed.max_tokens_param)
+        if self.draining:
+            raise overloaded("the gateway is shutting down", "shutting_down", 1)
+        if time.monotonic() - self._redis_failed_at < REDIS_FAST_FAIL_S:
+            raise overloaded("the request queue (Redis) is unreachable", "redis_unavailable", REDIS_RETRY_AFTER_S)
+        ticket = self.admission.admit(tenant, len(prompt_ids) + parsed.max_tokens)
+        self.metrics.inflight.labels(tenant.name).set(self.admission.inflight(tenant.name))
+        pending = self.router.register(rid, tenant.name)
+        try:
+            msg = InferenceRequest(
+                msg_id=rid, request_id=rid, tenant=tenant.name, gateway=self.gateway_id, prompt_ids=prompt_ids,
+                max_tokens=parsed.max_tokens, temperature=parsed.temperature, top_p=parsed.top_p, seed=parsed.seed,
+                stop=list(parsed.stop), ignore_eos=parsed.ignore_eos, arrival_ts=arrival_ts,
+                deadline_ts=arrival_ts + self.limits.request_idle_timeout_s)
+            try:
+                await asyncio.wait_for(self.producer.add(self.requests_stream, msg),
+                                       timeout=self.limits.redis_op_timeout_s)
+            except (asyncio.TimeoutError, *REDIS_ERRORS) as e:
+                self._redis_failed_at = time.monotonic()
+                log.warning("request_enqueue_failed", error=repr(e))
+                self.admission.release(ticket, refund=True)
+                raise overloaded("the request queue (Redis) is unreachable", "redis_unavailable",
+                                 REDIS_RETRY_AFTER_S) from None
+            except asyncio.CancelledError:
+                self._send_cancel(rid, tenant.name, "client_disconnected")  # the XADD may have landed
+                raise
+            self._redis_failed_at = -1e9
+            log.info("request_enqueued", prompt_tokens=len(prompt_ids), max_tokens=parsed.max_tokens,
+                     stream=parsed.stream)
+            ctx = RequestContext(request_id=rid, tenant=tenant, parsed=parsed, prompt_tokens=len(prompt_ids),
+                                 arrival_mono=arrival_mono, created=int(arrival_ts),
+                                 idle_timeout_s=self.limits.request_idle_timeout_s)
+            return await respond(request, ctx, pending, self.metrics, self._send_cancel)
+        finally:
+            self.router.unregister(rid)
+            self.admission.release(ticket)
+            self.metrics.inflight.labels(tenant.name).set(self.admission.inflight(tenant.name))
+
+    def _send_cancel(self, request_id: str, tenant: str, reason: str) -> None:
+        """XADD a CancelRequest in the background (the handler may itself be cancelled)."""
+        async def send() -> None:
+            msg = CancelRequest(msg_id=f"cancel-{request_id}", request_id=request_id, tenant=tenant, reason=reason)
+            try:
+                await asyncio.wait_for(self.producer.add(self.requests_stream, msg),
+                                       timeout=self.limits.redis_op_timeout_s)
+                log.info("request_cancel_sent", request_id=request_id, tenant=tenant, reason=reason)
+            except (asyncio.TimeoutError, *REDIS_ERRORS) as e:
+                log.warning("request_cancel_failed", request_id=request_id, tenant=tenant, error=repr(e))
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)

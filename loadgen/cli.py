@@ -165,7 +165,7 @@ def _setup_logging() -> None:
     structlog.configure(processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper("iso"),
                                     structlog.dev.ConsoleRenderer(colors=False)],
                         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+                        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))  # sys.stderr looked up per use
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from services.gateway.core import (ApiError, GatewayLimits, KeyIndex, ParsedRequ
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.responses import http_error
-from services.gateway.streaming import RequestContext, respond
+from services.gateway.streaming import OUTCOME_RECORDED, REQUEST_ID, TENANT, RequestContext, respond
 from services.gateway.tokens import TokenRouter
 from shared.config import Settings, TenantConfig, TenantsConfig
 from shared.messages import CancelRequest, InferenceRequest, requests_stream, tokens_stream
@@ -108,6 +108,10 @@ class GatewayService:
         if self._runner is not None:
             await self._runner.cleanup()
         self.shell.stop.set()
+        try:  # wake the tokens XREAD (it blocks up to a second) by closing its connection
+            await asyncio.wait_for(self.blocking.connection_pool.disconnect(), timeout=1.0)
+        except (asyncio.TimeoutError, *REDIS_ERRORS):
+            pass
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._cancels:
             await asyncio.wait(list(self._cancels), timeout=self.limits.redis_op_timeout_s)
@@ -129,7 +133,7 @@ class GatewayService:
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         rid = uuid.uuid4().hex
-        request["request_id"] = rid
+        request[REQUEST_ID] = rid
         with structlog.contextvars.bound_contextvars(service="gateway", request_id=rid, tenant=None):
             try:
                 resp = await handler(request)
@@ -143,8 +147,8 @@ class GatewayService:
                 if "Allow" in e.headers:
                     resp.headers["Allow"] = e.headers["Allow"]
             except asyncio.CancelledError:  # the client went away (handler cancellation)
-                if request.path.startswith("/v1/") and not request.get("outcome_recorded"):
-                    self.metrics.outcome(request.get("tenant"), "cancelled")
+                if request.path.startswith("/v1/") and not request.get(OUTCOME_RECORDED):
+                    self.metrics.outcome(request.get(TENANT), "cancelled")
                 log.info("request_cancelled", path=request.path)
                 raise
             except Exception:
@@ -156,8 +160,8 @@ class GatewayService:
             return resp
 
     def _error_response(self, request: web.Request, err: ApiError) -> web.Response:
-        if request.path.startswith("/v1/") and not request.get("outcome_recorded"):
-            self.metrics.outcome(request.get("tenant"), err.outcome)
+        if request.path.startswith("/v1/") and not request.get(OUTCOME_RECORDED):
+            self.metrics.outcome(request.get(TENANT), err.outcome)
         level = log.warning if err.status >= 500 else log.info
         level("request_rejected", status=err.status, code=err.code, param=err.param, path=request.path)
         return web.json_response(err.body(), status=err.status, headers=err.headers())
@@ -190,7 +194,7 @@ class GatewayService:
 
     def _auth(self, request: web.Request) -> TenantConfig:
         tenant = self.keys.authenticate(request.headers.get("Authorization"))
-        request["tenant"] = tenant.name
+        request[TENANT] = tenant.name
         structlog.contextvars.bind_contextvars(tenant=tenant.name)
         return tenant
 
@@ -214,7 +218,7 @@ class GatewayService:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         arrival_mono, arrival_ts = time.monotonic(), time.time()
-        rid = request["request_id"]
+        rid = request[REQUEST_ID]
         tenant = self._auth(request)
         parsed = parse_request(await self._read_json(request), chat=chat)
         tenant = self.keys.resolve_model(tenant, parsed.model)

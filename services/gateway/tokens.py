@@ -116,6 +116,8 @@ class TokenRouter:
                 resp = await self.blocking.xread({self.stream: self.last_id}, count=256, block=self.block_ms)
                 failing_since = None
             except REDIS_ERRORS as e:
+                if stop.is_set():
+                    return
                 self.read_errors += 1
                 now = time.monotonic()
                 if failing_since is None:
@@ -145,7 +147,7 @@ class TokenRouter:
                     pipe.xtrim(self.stream, minid=self.last_id, approximate=False)
                 pipe.expire(self.stream, STREAM_TTL_S)
                 await pipe.execute()
-            except REDIS_ERRORS as e:
+            except Exception as e:  # housekeeping is best effort (Redis down, a foreign key type, ...)
                 log.debug("tokens_housekeeping_failed", error=repr(e))
 
     async def delete_stream(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # key kinds a follower recognises, by the first component after ``{gmg}:``
 KEY_KINDS = ("device", "devices", "reservations", "resident", "tenant", "tenants", "model", "lease", "leases",
-             "epoch", "changes", "exec", "reqs", "finished", "busy")
+             "epoch", "changes", "exec", "reqs", "finished", "busy", "pins")
 
 
 class GMGKeys:
@@ -39,6 +39,9 @@ class GMGKeys:
 
     def model_graph(self, tenant: str) -> str:  # msgpack of ModelGraph.to_dict()
         return f"{self.base}model:{tenant}:graph"
+
+    def pins(self, device: str) -> str:  # hash: "tenant|segment" -> active leases using those staged weights
+        return f"{self.base}pins:{device}"
 
     def lease(self, lease_id: str) -> str:  # hash: tenant, guest, segments, start_ts, end_ts, nbytes, state, ...
         return f"{self.base}lease:{lease_id}"

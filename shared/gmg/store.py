@@ -19,6 +19,7 @@ from shared.config import ClusterConfig, TenantsConfig
 from shared.gmg.keys import GMGKeys
 from shared.gmg.mutations import APPLY_SCRIPT, MutationBatch
 from shared.gmg.scripts import COMMIT, RELEASE
+from shared.model.graph import ModelGraph
 
 CHANGES_MAXLEN = 100_000
 
@@ -110,9 +111,8 @@ class GMGStore:
         return int(freed), int(epoch)
 
     # ------------------------------------------------------------ registry (GMG service)
-    async def register_cluster(self, cluster: ClusterConfig, tenants: TenantsConfig,
-                               graphs: dict[str, bytes] | None = None) -> int:
-        """Create/refresh device and tenant hashes (and model graphs); keeps live fields of existing devices."""
+    async def register_cluster(self, cluster: ClusterConfig, tenants: TenantsConfig) -> int:
+        """Create/refresh device and tenant hashes, model graphs and home residency; keeps live device fields."""
         homes = {d: t.name for t in tenants.tenants for d in t.home_devices}
         existing = await self.devices()
         b = self.batch()
@@ -133,8 +133,10 @@ class GMGStore:
                 "max_queue": t.max_queue, "weight_bytes": t.model.config.weight_bytes(),
                 "kv_bytes_per_token": t.model.config.kv_bytes_per_token()})
             b.add("sadd", self.keys.tenants, t.name)
-            if graphs and t.name in graphs:
-                b.setblob(self.keys.model_graph(t.name), graphs[t.name])
+            graph = ModelGraph.from_config(t.model.config)
+            b.setblob(self.keys.model_graph(t.name), msgspec.msgpack.encode(graph.to_dict()))
+            for d in t.home_devices:  # a home holds all its tenant's weights (DESIGN §4)
+                b.hset(self.keys.resident(d), {f"{t.name}|{s.name}": s.weight_bytes for s in graph.segments})
         return await self.apply("register", b)
 
     # ------------------------------------------------------------ memory commits

@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from shared.model.batch import BatchContext, SeqChunk, build_context
+from shared.model.graph import segment_names
 from shared.model.llama import LlamaModel
 from shared.model.sampling import make_generator, sample_row, validate_params
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -92,6 +93,9 @@ class Engine:
                  segment_runner: SegmentRunner | None = None) -> None:
         if max_batch_tokens <= 0 or max_running <= 0:
             raise ValueError("max_batch_tokens and max_running must be positive")
+        missing = [s for s in segment_names(model.cfg.num_hidden_layers) if s not in model.segments]
+        if missing:
+            raise ValueError(f"the engine needs a model holding every segment; missing {missing}")
         self.model, self.tokenizer = model, tokenizer
         self.kv = model.new_kv_cache(kv_blocks, block_size)
         self.block_size = block_size
@@ -192,10 +196,13 @@ class Engine:
     # ---------------------------------------------------------------- step
     def _plan(self) -> list[tuple[_Seq, SeqChunk]]:
         budget, plan = self.max_batch_tokens, []
-        for seq in self._running.values():  # decode tokens first: they form the batched decode group
-            if budget and not seq.prefilling:
-                plan.append((seq, SeqChunk(seq.request_id, seq.computed, 1)))
-                budget -= 1
+        decoding = [s for s in self._running.values() if not s.prefilling]
+        for seq in decoding[:budget]:  # decode tokens first: they form the batched decode group
+            plan.append((seq, SeqChunk(seq.request_id, seq.computed, 1)))
+        budget -= len(plan)
+        if len(decoding) > len(plan):  # more decoders than the budget: serve them round-robin
+            for seq, _ in plan:
+                self._running.move_to_end(seq.request_id)
         for seq in self._running.values():
             if budget and seq.prefilling:
                 n = min(len(seq.prompt) - seq.computed, budget)
@@ -204,7 +211,11 @@ class Engine:
         return plan
 
     def step(self) -> StepResult:
-        """Run one iteration over the running batch; returns its events and timings."""
+        """Run one iteration over the running batch; returns its events and timings.
+
+        If a segment raises (e.g. from the segment runner), no request state has changed and the step can be
+        retried: KV written for the chunk is overwritten by the retry and no sampling draw was consumed.
+        """
         t0 = time.perf_counter()
         self._admit()
         plan = self._plan()
@@ -252,7 +263,9 @@ class Engine:
         if not seqs:
             return []
         greedy = logits.argmax(dim=-1).tolist()
-        return [g if s.generator is None else sample_row(logits[r], s.params.temperature, s.params.top_p, s.generator)
+        # seeded draws run on CPU generators so a seed gives the same tokens on any device
+        return [g if s.generator is None else
+                sample_row(logits[r].cpu(), s.params.temperature, s.params.top_p, s.generator)
                 for r, (s, g) in enumerate(zip(seqs, greedy))]
 
     def _advance(self, seq: _Seq, token: int) -> TokenEvent:

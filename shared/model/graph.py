@@ -147,8 +147,9 @@ class ModelGraph:
 
     def __init__(self, config: ModelConfig, operators: Iterable[OperatorSpec], segments: Iterable[SegmentSpec]):
         self.config = config
-        self.operators: dict[str, OperatorSpec] = {op.name: op for op in operators}
-        self.segments: list[SegmentSpec] = list(segments)
+        self.operators: list[OperatorSpec] = list(operators)  # execution order
+        self.segments: list[SegmentSpec] = list(segments)  # execution order
+        self._ops = {op.name: op for op in self.operators}
         self._by_name = {s.name: s for s in self.segments}
 
     @classmethod
@@ -215,9 +216,16 @@ class ModelGraph:
             raise KeyError(f"no segment {name!r} in a {self.config.num_hidden_layers}-layer model "
                            f"(valid: embed, attn[0..{self.config.num_hidden_layers - 1}], mlp[..], head)") from None
 
+    def operator(self, name: str) -> OperatorSpec:
+        """The operator called ``name`` (e.g. ``attn[3].qkv_proj``)."""
+        try:
+            return self._ops[name]
+        except KeyError:
+            raise KeyError(f"no operator {name!r} in this graph") from None
+
     def operators_of(self, segment: str) -> list[OperatorSpec]:
         """The operators of a segment, in execution order."""
-        return [self.operators[n] for n in self.segment(segment).operators]
+        return [self._ops[n] for n in self.segment(segment).operators]
 
     def segment_flops(self, name: str, tokens: int, kv_tokens: int = 0) -> float:
         """Sum of the segment's operator FLOPs."""
@@ -237,7 +245,7 @@ class ModelGraph:
         """Plain types only (str/int/float/bool/None/list/dict), ready for MessagePack."""
         return {
             "config": self.config.to_dict(),
-            "operators": [{**asdict(op), "inputs": list(op.inputs)} for op in self.operators.values()],
+            "operators": [{**asdict(op), "inputs": list(op.inputs)} for op in self.operators],
             "segments": [{**asdict(s), "operators": list(s.operators)} for s in self.segments],
         }
 

@@ -106,24 +106,29 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = torch.device(device)
         self._slot_cache: dict[str, torch.Tensor] = {}
+        self._start_cache: dict[str, int | None] = {}
         self._offsets = torch.arange(block_size, device=device)
 
     def allocate(self, seq: str, n_tokens: int) -> list[int]:
         """Reserve blocks so ``seq`` covers ``n_tokens`` positions (see :meth:`BlockAllocator.allocate`)."""
         self._slot_cache.pop(seq, None)
+        self._start_cache.pop(seq, None)
         return self.allocator.allocate(seq, n_tokens)
 
     def free(self, seq: str) -> int:
         """Release ``seq``'s blocks; returns how many."""
         self._slot_cache.pop(seq, None)
+        self._start_cache.pop(seq, None)
         return self.allocator.free(seq)
 
     def contiguous_start(self, seq: str) -> int | None:
         """First slot of ``seq`` when its blocks are consecutive (its slots are one range), else None."""
+        if seq in self._start_cache:
+            return self._start_cache[seq]
         table = self.allocator.block_table(seq)
-        if table[-1] - table[0] == len(table) - 1 and all(b == table[0] + i for i, b in enumerate(table)):
-            return table[0] * self.block_size
-        return None
+        start = table[0] * self.block_size if all(b == table[0] + i for i, b in enumerate(table)) else None
+        self._start_cache[seq] = start
+        return start
 
     def seq_slots(self, seq: str) -> torch.Tensor:
         """Slot index of every position ``seq`` holds blocks for, as a long tensor (memoized)."""

@@ -3,7 +3,8 @@
 Weights are held per segment (``embed``, ``attn[l]``, ``mlp[l]``, ``head``) so that a device can hold only some
 segments (a guest running ``mlp[l]`` of another tenant's model). A segment's code path does not depend on which
 other segments are present, so a segment gives bit-identical results in a full and in a partial model.
-Internally q/k/v and gate/up are fused; :meth:`LlamaModel.segment_state_dict` speaks Hugging Face names.
+Internally q/k/v and gate/up are fused and matrices stored [in, out] (x @ w); :meth:`LlamaModel.segment_state_dict`
+speaks Hugging Face names and shapes.
 """
 from __future__ import annotations
 

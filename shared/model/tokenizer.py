@@ -9,6 +9,7 @@ prompt ends with ``<|assistant|>\\n``.
 """
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,12 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         return self._with_bos(list(text.encode("utf-8")), add_bos)
 
+    def encode_bytes(self, ids: list[int]) -> bytes:
+        """The bytes of ``ids`` (special and non-byte ids dropped)."""
+        return bytes(i for i in ids if 0 <= i < 256 and i not in self._special)
+
     def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256 and i not in self._special).decode("utf-8", errors="replace")
+        return self.encode_bytes(ids).decode("utf-8", errors="replace")
 
 
 class HFTokenizer(Tokenizer):
@@ -120,17 +125,21 @@ def load_tokenizer(checkpoint_dir: str | Path | None, cfg: ModelConfig) -> Token
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas, holding back an incomplete UTF-8 character.
 
-    Decodes a short window of recent tokens (prefix/read offsets, as vLLM does) so each step costs O(window).
+    Byte-level fallback: an incremental UTF-8 decoder, so the deltas join to exactly ``decode(all ids)``.
+    Otherwise: decodes a short window of recent tokens (prefix/read offsets, as vLLM does), O(window) per step.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tok = tokenizer
-        self.ids: list[int] = list(prompt_ids[-4:]) if prompt_ids else []  # context for merges at the seam
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if isinstance(tokenizer, ByteTokenizer) else None
+        self.ids: list[int] = list(prompt_ids[-4:]) if prompt_ids and self._utf8 is None else []
         self.prefix = 0
         self.read = len(self.ids)
 
     def push(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly complete text."""
+        if self._utf8 is not None:
+            return self._utf8.decode(self.tok.encode_bytes(new_ids))  # type: ignore[attr-defined]
         self.ids.extend(new_ids)
         prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
         text = self.tok.decode(self.ids[self.prefix:])
@@ -142,6 +151,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Everything still held (an incomplete character decodes as U+FFFD)."""
+        if self._utf8 is not None:
+            return self._utf8.decode(b"", final=True)
         prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
         text = self.tok.decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)

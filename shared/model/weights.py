@@ -7,6 +7,7 @@ optionally ``tokenizer.json``.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterable
 
@@ -51,6 +52,9 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 
 def save_checkpoint(model: LlamaModel, directory: str | Path, *, tokenizer_json: str | Path | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (and a copy of ``tokenizer_json``) for a full model."""
+    missing = set(segment_names(model.cfg.num_hidden_layers)) - set(model.segments)
+    if missing:
+        raise ValueError(f"save_checkpoint needs a full model; this one lacks {sorted(missing)}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -107,27 +111,25 @@ def load_state_dict(directory: str | Path, cfg: ModelConfig, segments: Iterable[
     where = _index(d)
     wanted = list(segments) if segments is not None else segment_names(cfg.num_hidden_layers)
     out: dict[str, torch.Tensor] = {}
-    handles: dict[Path, object] = {}
-    try:
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
         for seg in wanted:
             for name, shape in hf_names(cfg, seg).items():
                 src = name
                 if name == "lm_head.weight" and name not in where and cfg.tie_word_embeddings:
                     src = "model.embed_tokens.weight"
                 if src not in where:
-                    raise CheckpointError(d, name, f"missing tensor (looked in {', '.join(sorted({p.name for p in where.values()}))})")
+                    files = ", ".join(sorted({p.name for p in where.values()}))
+                    raise CheckpointError(d, name, f"missing tensor (looked in {files})")
                 f = where[src]
                 if f not in handles:
-                    handles[f] = safe_open(str(f), framework="pt").__enter__()
+                    handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
                 t = handles[f].get_tensor(src)  # type: ignore[attr-defined]
                 if tuple(t.shape) != shape:
                     raise CheckpointError(f, src, f"shape {tuple(t.shape)}, expected {shape} for config.json")
                 if not t.is_floating_point():
                     raise CheckpointError(f, src, f"dtype {t.dtype} is not a floating-point type")
                 out[name] = t
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)  # type: ignore[attr-defined]
     return out
 
 

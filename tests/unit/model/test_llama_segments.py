@@ -6,6 +6,7 @@ import torch
 
 from shared.model.batch import SeqChunk, build_context
 from shared.model.config import PRESETS
+from shared.model.graph import ModelGraph
 from shared.model.llama import LlamaModel
 from shared.model.weights import random_state_dict
 
@@ -56,7 +57,8 @@ def test_partial_guest_model_is_bit_identical(model2):
     mlps = [s for s in model2.segments if s.startswith("mlp[")]
     guest = LlamaModel.partial(model2.cfg, mlps)
     assert guest.segments == mlps
-    assert guest.weight_bytes < model2.weight_bytes / 2
+    graph = ModelGraph.from_config(model2.cfg)
+    assert guest.weight_bytes == sum(graph.segment(s).weight_bytes for s in mlps) < model2.weight_bytes
     for s in mlps:
         guest.load_segment(s, model2.segment_state_dict(s))
     x = torch.randn(6, model2.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -64,6 +66,12 @@ def test_partial_guest_model_is_bit_identical(model2):
         assert torch.equal(guest.run_segment(s, x), model2.run_segment(s, x))
     with pytest.raises(KeyError, match="not held"):
         guest.run_segment("attn[0]", x)
+    # staging one more segment, then evicting one
+    guest.load_segment("head", model2.segment_state_dict("head"))
+    assert guest.segments == mlps + ["head"]
+    assert torch.equal(guest.run_segment("head", x), model2.run_segment("head", x))
+    guest.drop_segment("mlp[0]")
+    assert guest.segments == ["mlp[1]", "head"]
 
 
 def test_partial_attention_on_guest_with_own_cache(model2):

@@ -30,7 +30,7 @@ def test_weight_totals_match_param_counts(preset):
         assert s.weight_bytes == sum(op.weight_bytes for op in g.operators_of(s.name))
         assert s.stateful == (s.kind == "attn")
     assert g.weight_bytes == cfg.weight_bytes()
-    assert {op.kind for op in g.operators.values()} == set(OPERATOR_KINDS)
+    assert {op.kind for op in g.operators} == set(OPERATOR_KINDS)
 
 
 def test_llama7b_fp16_weight_bytes():
@@ -49,16 +49,17 @@ def test_dependencies_form_a_chain_with_residuals():
             assert all(i in seen for i in op.inputs), f"{op.name} reads an operator not yet produced"
             assert op.segment == s.name
             seen.add(op.name)
-    res = g.operators["mlp[1].residual"]
+    assert [op.name for op in g.operators] == [n for s in g.segments for n in s.operators]
+    res = g.operator("mlp[1].residual")
     assert res.inputs == ("mlp[1].down_proj", "attn[1].residual")
-    assert g.operators["attn[0].input_norm"].inputs == ("embed.embed_tokens",)
+    assert g.operator("attn[0].input_norm").inputs == ("embed.embed_tokens",)
 
 
 def test_shapes_and_flops():
     cfg = PRESETS["llama-7b"]
     g = ModelGraph.from_config(cfg)
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    ops = g.operators
+    ops = {op.name: op for op in g.operators}
     assert ops["attn[0].qkv_proj"].output_shape(7) == (7, 3 * h)
     assert ops["mlp[0].gate_up_proj"].output_shape(5) == (5, 2 * i)
     assert ops["mlp[0].silu_mul"].output_shape(5) == (5, i)
@@ -78,7 +79,7 @@ def test_shapes_and_flops():
 
 def test_kv_read_bytes_and_batch_kv_work():
     g = ModelGraph.from_config(PRESETS["llama-7b"])
-    att = g.operators["attn[0].attention"]
+    att = g.operator("attn[0].attention")
     per_token_layer = PRESETS["llama-7b"].kv_bytes_per_token() // PRESETS["llama-7b"].num_hidden_layers
     assert att.bytes_moved(1, 1001) - att.bytes_moved(1, 1) == pytest.approx(1000 * per_token_layer)
     # two decode tokens with 9 and 4 cached positions, one fresh 3-token prefill

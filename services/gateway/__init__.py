@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: auth, validation, admission, tokenization, SSE streaming."""

@@ -1,0 +1,33 @@
+"""``python -m services.gmg``: build config, set up logging, run the GMG state service."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from shared.config import ConfigError, Settings, load_cluster, load_tenants
+from shared.logging import setup_logging
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m services.gmg")
+    ap.add_argument("--name", default=os.environ.get("SLICESCHED_NAME", "gmg"),
+                    help="instance name: health key and stream consumer name (stable across restarts)")
+    args = ap.parse_args()
+    try:
+        settings = Settings.from_env()
+        cluster = load_cluster(settings.cluster_file)
+        tenants = load_tenants(settings.tenants_file, cluster)
+    except ConfigError as e:
+        print(f"gmg: config error: {e}", file=sys.stderr)
+        return 2
+    setup_logging("gmg", settings.log_format, settings.log_level)
+    from services.gmg.service import GMGService
+
+    asyncio.run(GMGService(settings, cluster, tenants, args.name).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Leases and weight staging in the GMG (DESIGN §4), each as one atomic commit.
+
+* Staging: the guest reserves memory for a tenant's segment weights (owner ``weights:{tenant}:{segment}``, kind
+  ``weights``) and records residency in ``resident:{device}``, in one script.
+* Lease commit: a reservation on the guest (owner ``lease:{id}``, kind ``lease``) plus the ``lease:{id}`` hash, the
+  ``leases:{guest}`` entry (score = end_ts) and a pin on every staged segment it uses, in one script; refused
+  (nothing changed) if the memory does not fit, the id exists, or a segment's weights are not resident.
+* Close (revoke, expire, release): frees the reservation, deletes the lease hash and its zset entry and unpins, in
+  one script guarded on the lease still being active, so closing twice changes nothing.
+* Eviction of staged weights is refused while an active lease pins them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from shared.gmg.store import GMGStore, Refused, Reservation
+
+LEASE_STATES = ("active", "revoked", "expired", "released")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A grant to ``tenant`` to run ``segments`` on ``guest`` during [start_ts, end_ts), holding ``nbytes``."""
+
+    lease_id: str
+    tenant: str
+    guest: str
+    segments: tuple[str, ...]
+    start_ts: float
+    end_ts: float
+    nbytes: int
+    home: str = ""  # the driver device that sends the activations
+
+    def fields(self, state: str = "active") -> dict[str, str]:
+        return {"id": self.lease_id, "tenant": self.tenant, "guest": self.guest, "home": self.home,
+                "segments": ",".join(self.segments), "start_ts": f"{self.start_ts:.6f}",
+                "end_ts": f"{self.end_ts:.6f}", "nbytes": str(int(self.nbytes)), "state": state,
+                "created_ts": f"{time.time():.6f}"}
+
+    @classmethod
+    def from_fields(cls, h: dict[str, str]) -> "Lease":
+        return cls(h["id"], h["tenant"], h["guest"], tuple(s for s in h.get("segments", "").split(",") if s),
+                   float(h["start_ts"]), float(h["end_ts"]), int(h["nbytes"]), h.get("home", ""))
+
+
+def lease_owner(lease_id: str) -> str:
+    return f"lease:{lease_id}"
+
+
+def weights_owner(tenant: str, segment: str) -> str:
+    return f"weights:{tenant}:{segment}"
+
+
+class LeaseStore:
+    """Lease and staging commits over a :class:`GMGStore` (committers: the scheduler; expiry: the GMG service)."""
+
+    def __init__(self, store: GMGStore) -> None:
+        self.store = store
+        self.keys = store.keys
+
+    async def commit(self, lease: Lease, *, require_resident: bool = True) -> int | Refused:
+        """Commit ``lease`` atomically; returns the epoch or a clean :class:`Refused`."""
+        if lease.end_ts <= lease.start_ts or not lease.segments or any("," in s for s in lease.segments):
+            return Refused("invalid", lease.guest, "empty window, no segments or a ',' in a segment name")
+        k, b = self.keys, self.store.batch()
+        guards = [(k.lease(lease.lease_id), "state", ("",))]
+        if require_resident:
+            guards += [(k.resident(lease.guest), f"{lease.tenant}|{s}", ("*",)) for s in lease.segments]
+        b.hset(k.lease(lease.lease_id), lease.fields())
+        b.add("zadd", k.leases(lease.guest), f"{lease.end_ts:.6f}", lease.lease_id)
+        for s in lease.segments:
+            b.add("hincrby", k.pins(lease.guest), f"{lease.tenant}|{s}", 1)
+        res = await self.store.commit("lease_commit", [Reservation(lease.guest, lease_owner(lease.lease_id), "lease",
+                                                                   lease.tenant, lease.nbytes)], guards=guards, batch=b)
+        if isinstance(res, Refused) and res.reason == "conflict":
+            why = "lease_exists" if res.device == "state" else "not_resident"
+            return Refused(why, lease.guest, res.device if why == "not_resident" else lease.lease_id)
+        return res
+
+    async def close(self, lease_id: str, state: str = "revoked", reason: str = "") -> Lease | None:
+        """End an active lease (revoke/expire/release); ``None`` if it was not active (closing is idempotent)."""
+        if state not in LEASE_STATES[1:]:
+            raise ValueError(f"close state must be one of {LEASE_STATES[1:]}, got {state!r}")
+        k = self.keys
+        raw = await self.store.redis.hgetall(k.lease(lease_id))
+        h = {_s(a): _s(v) for a, v in raw.items()}
+        if h.get("state") != "active":
+            return None
+        lease = Lease.from_fields(h)
+        b = self.store.batch()
+        b.add("del", k.lease(lease_id))
+        b.add("zrem", k.leases(lease.guest), lease_id)
+        for s in lease.segments:
+            b.add("hincrby", k.pins(lease.guest), f"{lease.tenant}|{s}", -1)
+        res = await self.store.release_many(f"lease_{state}", [(lease.guest, lease_owner(lease_id))],
+                                            guards=[(k.lease(lease_id), "state", ("active",))], batch=b)
+        return None if isinstance(res, Refused) else lease
+
+    async def expire(self, now: float) -> list[str]:
+        """Close every active lease whose window ended by ``now``; returns their ids."""
+        ids = sorted(_s(x) for x in await self.store.redis.smembers(self.keys.devices))
+        pipe = self.store.redis.pipeline(transaction=False)
+        for d in ids:
+            pipe.zrangebyscore(self.keys.leases(d), "-inf", now)
+        out = []
+        for ended in await pipe.execute():
+            for lid in ended:
+                if await self.close(_s(lid), "expired", "window_ended") is not None:
+                    out.append(_s(lid))
+        return out
+
+    async def active(self, device: str) -> list[Lease]:
+        """Active leases on a guest device, by end time."""
+        ids = [_s(x) for x in await self.store.redis.zrange(self.keys.leases(device), 0, -1)]
+        pipe = self.store.redis.pipeline(transaction=False)
+        for i in ids:
+            pipe.hgetall(self.keys.lease(i))
+        rows = await pipe.execute()
+        return [Lease.from_fields({_s(a): _s(v) for a, v in r.items()}) for r in rows if r]
+
+    # ------------------------------------------------------------ staging
+    async def stage(self, device: str, tenant: str, segments: dict[str, int]) -> int | Refused:
+        """Reserve memory for ``segments`` (name -> bytes) of ``tenant`` on ``device`` and mark them resident;
+        refused when one is resident there already (staged before, or the device is the tenant's home)."""
+        b = self.store.batch().hset(self.keys.resident(device), {f"{tenant}|{s}": n for s, n in segments.items()})
+        items = [Reservation(device, weights_owner(tenant, s), "weights", tenant, n) for s, n in segments.items()]
+        guards = [(self.keys.resident(device), f"{tenant}|{s}", ("",)) for s in segments]
+        res = await self.store.commit("stage_weights", items, guards=guards, batch=b)
+        if isinstance(res, Refused) and res.reason == "conflict":
+            return Refused("already_resident", device, res.device)
+        return res
+
+    async def evict(self, device: str, tenant: str, segments: list[str]) -> int | Refused:
+        """Free staged ``segments``; returns the bytes freed. Refused (nothing freed) while an active lease pins any
+        of them, or when one is not staged there (home weights are never evicted)."""
+        k, b = self.keys, self.store.batch()
+        fields = [f"{tenant}|{s}" for s in segments]
+        b.add("hdel", k.resident(device), *fields)
+        b.add("hdel", k.pins(device), *fields)
+        guards = [(k.reservations(device), weights_owner(tenant, s), ("*",)) for s in segments]
+        guards += [(k.pins(device), f, ("", "0")) for f in fields]
+        res = await self.store.release_many("evict_weights", [(device, weights_owner(tenant, s)) for s in segments],
+                                            guards=guards, batch=b)
+        if isinstance(res, Refused):
+            return Refused("not_staged" if res.detail.startswith("weights:") else "pinned", device, res.detail)
+        return res[0]
+
+
+async def expire_leases(store: GMGStore, now: float) -> list[str]:
+    """Close leases whose window ended (the GMG service's sweep)."""
+    return await LeaseStore(store).expire(now)
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)

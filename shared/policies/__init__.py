@@ -1,0 +1,18 @@
+"""Scheduling policies and baselines, all in one registry (:data:`POLICIES`).
+
+The live scheduler and the offline simulator use the same objects; see docs/policies.md.
+"""
+from shared.policies import container, pooled_bound  # noqa: F401  (registration)
+from shared.policies.actions import ExtendLease, GrantLease, Placement, Reassign, RevokeLease, Trigger
+from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, PolicyConfigError
+from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, TenantState
+
+
+def make_policy(name: str, params: dict | None = None) -> Policy:
+    """Instantiate a registered policy by name (unknown names raise and list the valid ones)."""
+    return POLICIES.get(name).from_params(params)
+
+
+__all__ = ["POLICIES", "ClusterSnapshot", "DeviceState", "ExtendLease", "GrantLease", "LeaseState", "OfferedLoad",
+           "Placement", "Policy", "PolicyConfig", "PolicyConfigError", "Reassign", "RevokeLease", "TenantState",
+           "Trigger", "make_policy"]

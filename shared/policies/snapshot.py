@@ -1,0 +1,112 @@
+"""The cluster snapshot every policy decides over; built by the simulator (kept current in place) and by the
+live scheduler (from Redis state). Plain data: no methods that reach outside the snapshot."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shared.config import SLA
+from shared.model.config import ModelConfig
+
+
+@dataclass(slots=True)
+class DeviceState:
+    """One device as the scheduler sees it."""
+
+    id: str
+    kind: str
+    host: str
+    capacity_bytes: int
+    headroom_bytes: int
+    home_tenant: str | None = None
+    tenants: list[str] = field(default_factory=list)  # tenants with an engine (weights resident) here
+    used_bytes: int = 0  # all reservations: weights, KV, staged segments, activations
+    kv_bytes: int = 0
+    staged_bytes: int = 0
+    evictable_bytes: int = 0  # staged weights no active lease pins (cached, LRU)
+    queued: int = 0  # requests waiting for admission (all engines here)
+    running: int = 0  # sequences in the batch
+    queued_prefill_tokens: int = 0
+    decode_kv_tokens: int = 0  # total context of decoding sequences (drives decode iteration time)
+    oldest_pending_s: float = math.inf  # arrival time of the oldest request without its first token
+    busy: bool = False
+    busy_until_s: float = 0.0
+    guest_share: float = 0.0  # fraction of this device's time promised to guests by active leases
+    resident: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, segment) -> bytes staged
+    draining: bool = False
+    outstanding_by_tenant: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.capacity_bytes - self.headroom_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Memory that can be reserved now (evicting cached staged weights would free more)."""
+        return self.limit_bytes - self.used_bytes
+
+    @property
+    def outstanding(self) -> int:
+        return self.queued + self.running
+
+
+@dataclass(slots=True)
+class TenantState:
+    """One tenant: model, SLA, home devices, queue and recent behaviour."""
+
+    name: str
+    model: ModelConfig
+    sla: SLA
+    home_devices: list[str]
+    queued: int = 0
+    running: int = 0
+    rate_rps: float = 0.0  # recent arrival rate (EWMA)
+    mean_input: float = 0.0
+    mean_output: float = 0.0
+    slack_s: float = math.inf  # TTFT target minus the worst predicted TTFT among its queued requests
+
+
+@dataclass(slots=True)
+class LeaseState:
+    """A grant to ``tenant`` to run ``segments`` on ``guest`` during [start_s, end_s) with a share of its time."""
+
+    id: str
+    tenant: str
+    home_device: str
+    guest_device: str
+    segments: tuple[str, ...]
+    start_s: float
+    end_s: float
+    memory_bytes: int
+    share: float
+    mode: str = "segments"  # segments: MLP blocks of the home's batch run on the guest
+    state: str = "staging"  # staging | active | ended | revoked
+
+
+@dataclass
+class ClusterSnapshot:
+    """Everything a policy may look at. ``links`` gives the link kind for (host, host) pairs via link_kind()."""
+
+    now: float
+    devices: dict[str, DeviceState]
+    tenants: dict[str, TenantState]
+    leases: dict[str, LeaseState] = field(default_factory=dict)
+    intra_host_link: str = "nvlink"
+    inter_host_link: str = "nccl"
+    epoch: int = 0
+
+    def link_kind(self, a: str, b: str) -> str:
+        """Link kind between two devices (same host: intra-host link)."""
+        da, db = self.devices[a], self.devices[b]
+        return self.intra_host_link if da.host == db.host else self.inter_host_link
+
+    def tenant_devices(self, tenant: str) -> list[DeviceState]:
+        """Devices holding an engine of ``tenant``."""
+        return [d for d in self.devices.values() if tenant in d.tenants]
+
+    def leases_on(self, device: str) -> list[LeaseState]:
+        """Active or staging leases hosted by ``device``."""
+        return [lease for lease in self.leases.values() if lease.guest_device == device]
+
+    def leases_of(self, tenant: str) -> list[LeaseState]:
+        return [lease for lease in self.leases.values() if lease.tenant == tenant]

@@ -1,0 +1,128 @@
+"""A simulated device: memory, the engines it holds, and which engine runs next (one step at a time)."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from shared.config import DeviceConfig
+from shared.costmodel.profiles import DeviceProfile
+from shared.sim.engine import Engine
+from shared.sim.lease import ACTIVE, SimLease
+from shared.sim.memory import DeviceMemory
+
+
+class SimDevice:
+    """Runs one engine step at a time. ``sharing`` decides which ready engine goes next (see Placement)."""
+
+    __slots__ = ("id", "kind", "host", "profile", "mem", "engines", "sharing", "weights", "cur", "cur_start",
+                 "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "hosted", "last_engine",
+                 "quantum_used", "schedule", "switch_cost", "state", "pending_switch_s", "switches", "used_s")
+
+    def __init__(self, cfg: DeviceConfig, profile: DeviceProfile, headroom_fraction: float,
+                 schedule: Callable[["SimDevice", float, int], None]) -> None:
+        self.id, self.kind, self.host, self.profile = cfg.id, cfg.kind, cfg.host, profile
+        self.mem = DeviceMemory(cfg.memory_bytes, headroom_fraction)
+        self.engines: list[Engine] = []
+        self.sharing = "exclusive"
+        self.weights: dict[str, float] = {}
+        self.used_s: dict[str, float] = {}  # device time per engine (weighted sharing)
+        self.cur: Engine | None = None
+        self.cur_start = self.cur_end = self.cur_dur = 0.0
+        self.version = 0
+        self.rr = 0
+        self.busy_s = 0.0
+        self.guest_busy_s = 0.0
+        self.hosted: list[SimLease] = []  # leases whose segments run here
+        self.last_engine: Engine | None = None
+        self.quantum_used = 0
+        self.schedule = schedule
+        self.switch_cost: Callable[[Engine], float] | None = None
+        self.state = None  # the DeviceState mirrored for policies
+        self.pending_switch_s = 0.0
+        self.switches = 0
+
+    # ---------------------------------------------------------------- guest shares
+    def guest_share(self) -> float:
+        return sum(lease.share for lease in self.hosted if lease.state == ACTIVE)
+
+    def share_for(self, lease: SimLease) -> float:
+        """Fraction of this device's time ``lease`` gets now: its share while the home is busy, otherwise all
+        that other leases leave."""
+        if self.cur is not None:
+            return lease.share
+        others = sum(x.share for x in self.hosted if x is not lease and x.state == ACTIVE)
+        return max(lease.share, 1.0 - others)
+
+    def update_slowdown(self, now: float) -> None:
+        """Home engines lose the time promised to guests."""
+        s = 1.0 / max(1e-6, 1.0 - self.guest_share())
+        for e in self.engines:
+            e.slowdown = s
+        self.interrupt(now)
+
+    # ---------------------------------------------------------------- stepping
+    def _pick(self, ready: list[Engine]) -> Engine:
+        if len(ready) == 1:
+            return ready[0]
+        if self.sharing == "weighted":
+            return min(ready, key=lambda e: (self.used_s.get(e.eid, 0.0) / self.weights.get(e.tenant, 1.0), e.eid))
+        if self.sharing == "switch":
+            last = self.last_engine
+            if last in ready and self.quantum_used < 8:
+                return last  # type: ignore[return-value]
+            others = [e for e in ready if e is not last] or ready
+            return min(others, key=lambda e: (e.oldest_pending() if math.isfinite(e.oldest_pending())
+                                              else e.decoding[0].arrival if e.decoding else math.inf, e.eid))
+        self.rr += 1
+        return ready[self.rr % len(ready)]
+
+    def start(self, now: float) -> None:
+        """If idle, pick an engine with work and schedule its next step."""
+        if self.cur is not None:
+            return
+        ready = [e for e in self.engines if e.ready(now)]
+        if not ready:
+            return
+        eng = self._pick(ready)
+        n, dur = eng.plan(now, exclusive=len(ready) == 1)
+        if self.sharing == "switch":
+            if eng is not self.last_engine and self.last_engine is not None and self.switch_cost is not None:
+                dur += self.switch_cost(eng)
+                self.switches += 1
+                self.quantum_used = 0
+            self.quantum_used += 1
+        self.last_engine = eng
+        self.cur, self.cur_start, self.cur_dur = eng, now, dur
+        self.cur_end = now + dur
+        self.version += 1
+        self.schedule(self, self.cur_end, self.version)
+
+    def finish(self, now: float) -> Engine:
+        """The current step ended at ``now``: apply it and free the device."""
+        eng = self.cur
+        assert eng is not None
+        dur = now - self.cur_start
+        self.busy_s += dur
+        if self.sharing == "weighted":
+            self.used_s[eng.eid] = self.used_s.get(eng.eid, 0.0) + dur
+        eng.complete(now, dur)
+        self.cur = None
+        return eng
+
+    def interrupt(self, now: float) -> None:
+        """Something changed: cut a closed-form run at the iteration in flight so the next boundary re-plans."""
+        eng = self.cur
+        if eng is None or eng.run is None or eng.step_n <= 1:
+            return
+        done = eng.run_iters_done(now)
+        n_new = done + 1
+        if n_new >= eng.step_n:
+            return
+        eng.step_n = n_new
+        end = eng.run[0] + eng.run_time(n_new)
+        self.cur_end = end
+        self.version += 1
+        self.schedule(self, end, self.version)
+
+    def outstanding(self) -> int:
+        return sum(e.outstanding for e in self.engines)

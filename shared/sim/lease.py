@@ -1,0 +1,40 @@
+"""A lease inside the simulator: segments of one tenant's batch running on a guest device for a while."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shared.sim.offload import OffloadPart
+
+if TYPE_CHECKING:
+    from shared.sim.device import SimDevice
+    from shared.sim.engine import Engine
+
+STAGING, ACTIVE, ENDED, REVOKED = "staging", "active", "ended", "revoked"
+
+
+class SimLease:
+    """Tenant ``engine.tenant`` runs ``segments`` on ``guest_dev`` during [start, end) with ``share`` of its time."""
+
+    __slots__ = ("lid", "engine", "guest_dev", "segments", "part", "share", "start", "end", "state", "act_bytes",
+                 "guest_busy_s", "link_bytes", "staged_new_bytes", "active_from")
+
+    def __init__(self, lid: str, engine: "Engine", guest_dev: "SimDevice", segments: tuple[str, ...],
+                 part: OffloadPart, share: float, start: float, end: float, act_bytes: int) -> None:
+        self.lid, self.engine, self.guest_dev, self.segments = lid, engine, guest_dev, segments
+        self.part, self.share, self.start, self.end = part, share, start, end
+        self.state = STAGING
+        self.act_bytes = act_bytes
+        self.guest_busy_s = 0.0
+        self.link_bytes = 0.0
+        self.staged_new_bytes = 0
+        self.active_from = start
+
+    @property
+    def tenant(self) -> str:
+        return self.engine.tenant
+
+    def account(self, guest_busy_s: float, link_bytes: float) -> None:
+        """One offloaded iteration used ``guest_busy_s`` of the guest and moved ``link_bytes``."""
+        self.guest_busy_s += guest_busy_s
+        self.link_bytes += link_bytes
+        self.guest_dev.guest_busy_s += guest_busy_s

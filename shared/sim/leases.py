@@ -1,0 +1,214 @@
+"""Applying policy actions inside the simulator: lease grant (staging over a link) / activation / end / revoke,
+and container reassignment (drain, reload, serve the new tenant)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from shared.costmodel import cost_for, transfer_time
+from shared.model.graph import parse_segment
+from shared.policies.actions import ExtendLease, GrantLease, Reassign, RevokeLease, Trigger
+from shared.policies.snapshot import LeaseState
+from shared.sim.lease import ACTIVE, ENDED, REVOKED, STAGING, SimLease
+from shared.sim.offload import OffloadPart
+
+if TYPE_CHECKING:
+    from shared.sim.device import SimDevice
+    from shared.sim.engine import Engine
+    from shared.sim.simulator import Simulator
+
+STAGE_DONE, LEASE_END, RELOAD_DONE = 2, 3, 4
+
+
+class LeaseBook:
+    """Lease and reassignment bookkeeping for one simulation run."""
+
+    def __init__(self, sim: "Simulator") -> None:
+        self.sim = sim
+        self.leases: dict[str, SimLease] = {}
+        self.link_free: dict[tuple[str, str], float] = {}
+        self.link_busy_s: dict[str, float] = {}
+        self.link_bytes: dict[str, float] = {}
+        self.stats = {"granted": 0, "refused": 0, "revoked": 0, "ended": 0, "staged_bytes": 0, "reassigned": 0,
+                      "refused_reasons": {}}
+        self.pending_reassign: dict[str, tuple[str, float]] = {}
+        self.finished: list[SimLease] = []
+
+    # ---------------------------------------------------------------- dispatch
+    def apply(self, actions: Iterable) -> None:
+        for a in actions or ():
+            if isinstance(a, GrantLease):
+                self.grant(a)
+            elif isinstance(a, RevokeLease):
+                lease = self.leases.get(a.lease_id)
+                if lease is not None:
+                    self.end(lease, revoked=True)
+            elif isinstance(a, ExtendLease):
+                lease = self.leases.get(a.lease_id)
+                if lease is not None:
+                    lease.end = self.sim.now + a.duration_s
+                    self.sim.snapshot.leases[lease.lid].end_s = lease.end
+                    self.sim.push(lease.end, LEASE_END, lease)
+            elif isinstance(a, Reassign):
+                self.reassign(a)
+            else:
+                raise TypeError(f"unknown action {a!r}")
+
+    def on_event(self, kind: int, obj, ver: int) -> None:
+        if kind == STAGE_DONE:
+            if obj.state == STAGING:
+                self.activate(obj)
+        elif kind == LEASE_END:
+            if obj.state in (STAGING, ACTIVE) and self.sim.now >= obj.end:
+                self.end(obj, revoked=False)
+        elif kind == RELOAD_DONE:
+            self._reload_done(obj)
+
+    def _refuse(self, reason: str) -> None:
+        self.stats["refused"] += 1
+        r = self.stats["refused_reasons"]
+        r[reason] = r.get(reason, 0) + 1
+
+    # ---------------------------------------------------------------- leases
+    def grant(self, a: GrantLease) -> SimLease | None:
+        """Stage the missing segment weights on the guest (memory reserved now, transfer over the link) and
+        activate the lease when the transfer is done; refuse cleanly when it does not fit."""
+        sim, now = self.sim, self.sim.now
+        home, guest = sim.devices.get(a.home_device), sim.devices.get(a.guest_device)
+        if home is None or guest is None or home is guest:
+            return self._refuse("devices") or None
+        eng = sim.engine_of(home, a.tenant)
+        if eng is None or not a.segments:
+            return self._refuse("no_engine") or None
+        if a.share <= 0 or guest.guest_share() + a.share > 0.95:
+            return self._refuse("share") or None
+        taken = {s for lease in self.leases.values() if lease.engine is eng for s in lease.segments}
+        for s in a.segments:
+            kind, _ = parse_segment(s)
+            if kind != "mlp" or s in taken:
+                return self._refuse("segments") or None
+        gcost = cost_for(sim.model_of(a.tenant), guest.kind)
+        seg_bytes = gcost.mlp_weight_bytes
+        mem = guest.mem
+        new = [s for s in a.segments if (a.tenant, s) not in mem.staged]
+        new_bytes = len(new) * seg_bytes
+        m = sim.cfg.micro_batches
+        act = 2 * m * -(-sim.cfg.max_batched_tokens // m) * gcost.hidden_bytes_per_token
+        if not mem.make_room(new_bytes + act, now):
+            return self._refuse("memory") or None
+        for s in a.segments:
+            mem.stage(a.tenant, s, seg_bytes, now)
+        mem.alloc("activations", act, now)
+        link_kind = sim.snapshot.link_kind(home.id, guest.id)
+        link = home.profile.link(link_kind)
+        start = max(now, self.link_free.get((home.id, guest.id), now))
+        done = start + transfer_time(home.profile, link_kind, new_bytes) if new_bytes else now
+        if new_bytes:
+            self.link_free[(home.id, guest.id)] = done
+            self.link_busy_s[link_kind] = self.link_busy_s.get(link_kind, 0.0) + (done - start)
+            self.link_bytes[link_kind] = self.link_bytes.get(link_kind, 0.0) + new_bytes
+        lid = sim.next_id("L")
+        lease = SimLease(lid, eng, guest, tuple(a.segments), OffloadPart(guest.id, len(a.segments), a.share, link,
+                                                                      gcost, lid),
+                         a.share, now, now + a.duration_s, act)
+        lease.staged_new_bytes = new_bytes
+        self.leases[lid] = lease
+        self.stats["granted"] += 1
+        self.stats["staged_bytes"] += new_bytes
+        sim.snapshot.leases[lid] = LeaseState(lid, a.tenant, home.id, guest.id, tuple(a.segments), now, lease.end,
+                                              new_bytes + act, a.share)
+        sim.push(lease.end, LEASE_END, lease)
+        if done <= now:
+            self.activate(lease)
+        else:
+            sim.push(done, STAGE_DONE, lease)
+        self._mirror_memory(guest)
+        return lease
+
+    def activate(self, lease: SimLease) -> None:
+        sim = self.sim
+        lease.state = ACTIVE
+        lease.active_from = sim.now
+        lease.engine.offload.append(lease)
+        guest = lease.guest_dev
+        guest.hosted.append(lease)
+        sim.snapshot.leases[lease.lid].state = ACTIVE
+        guest.state.guest_share = guest.guest_share()
+        guest.update_slowdown(sim.now)
+        sim.wake(lease.engine.device)
+        sim.refresh(guest)
+
+    def end(self, lease: SimLease, revoked: bool) -> None:
+        """Lease over: the home runs the segments itself from its next iteration; staged weights stay cached."""
+        sim, now = self.sim, self.sim.now
+        was_active = lease.state == ACTIVE
+        lease.state = REVOKED if revoked else ENDED
+        self.stats["revoked" if revoked else "ended"] += 1
+        if lease in lease.engine.offload:
+            lease.engine.offload.remove(lease)
+        guest = lease.guest_dev
+        if lease in guest.hosted:
+            guest.hosted.remove(lease)
+        for s in lease.segments:
+            guest.mem.unpin(lease.tenant, s, now)
+        guest.mem.release("activations", lease.act_bytes, now)
+        del self.leases[lease.lid]
+        self.finished.append(lease)
+        sim.snapshot.leases.pop(lease.lid, None)
+        guest.state.guest_share = guest.guest_share()
+        if was_active:
+            guest.update_slowdown(now)
+            sim.wake(lease.engine.device)
+        sim.wake(guest)
+        self._mirror_memory(guest)
+        kind = "lease_revoked" if revoked else "lease_end"
+        self.apply(sim.policy.decide(Trigger(kind, lease.tenant, guest.id, lease.lid), sim.snapshot, sim.whatif))
+
+    def _mirror_memory(self, dev: "SimDevice") -> None:
+        s, m = dev.state, dev.mem
+        s.used_bytes, s.staged_bytes, s.evictable_bytes = m.used, m.by_kind["staged"], m.evictable()
+        s.resident = {k: e.nbytes for k, e in m.staged.items()}
+
+    # ---------------------------------------------------------------- reassignment (container-realloc)
+    def reassign(self, a: Reassign) -> None:
+        """Drain ``a.device`` (waiting requests are routed elsewhere), then reload weights for the new tenant."""
+        sim = self.sim
+        dev = sim.devices.get(a.device)
+        if dev is None or dev.state.draining or a.device in self.pending_reassign:
+            return self._refuse("reassign")
+        self.stats["reassigned"] += 1
+        self.pending_reassign[dev.id] = (a.tenant, a.reload_s)
+        dev.state.draining = True
+        moved = []
+        for e in dev.engines:
+            e.draining = True
+            while e.waiting:
+                r = e.waiting.popleft()
+                e.queued_prefill -= r.input
+                moved.append(r)
+        sim.refresh(dev)
+        for r in moved:
+            did = sim.policy.route(r.tenant, r.input, r.output, sim.snapshot)
+            target = sim.devices.get(did) if did else None
+            eng = sim.engine_of(target, r.tenant) if target else None
+            if eng is None:
+                sim._reject(r, sim.snapshot.tenants[r.tenant])
+                continue
+            eng.enqueue(r)
+            sim.wake(target)
+        if all(e.outstanding == 0 for e in dev.engines):
+            self.drained(dev, None)
+
+    def drained(self, dev: "SimDevice", eng: "Engine | None") -> None:
+        if dev.id not in self.pending_reassign or any(e.outstanding for e in dev.engines if e.draining):
+            return
+        for e in [e for e in dev.engines if e.draining]:
+            self.sim.remove_engine(dev, e)
+        tenant, reload_s = self.pending_reassign[dev.id]
+        self.sim.push(self.sim.now + reload_s, RELOAD_DONE, dev)
+
+    def _reload_done(self, dev: "SimDevice") -> None:
+        tenant, _ = self.pending_reassign.pop(dev.id)
+        self.sim.add_engine(dev, tenant)
+        dev.state.home_tenant = tenant
+        dev.state.draining = False
+        self.sim.refresh(dev)

@@ -1,0 +1,5 @@
+"""placeholder"""
+class WhatIf:
+    @classmethod
+    def for_cluster(cls, cluster, snapshot, cfg):
+        return None

@@ -1,0 +1,102 @@
+"""Lease and staging commits: all-or-nothing, pinned weights, idempotent close, expiry."""
+from __future__ import annotations
+
+import pytest
+
+from shared.config import parse_cluster, parse_tenants
+from shared.gmg import GMGStore, Refused, Reservation
+from shared.gmg.follower import read_mirror
+from shared.gmg.leases import Lease, LeaseStore
+
+pytestmark = pytest.mark.integration
+
+CLUSTER = parse_cluster({"cluster": {"headroom_fraction": 0.1},
+                         "devices": [{"id": "g0", "backend": "emulated", "memory_bytes": 10_000},
+                                     {"id": "h0", "backend": "emulated", "memory_bytes": 10_000}]})
+TENANTS = parse_tenants({"tenants": [
+    {"name": "a", "model": "tiny", "sla": {"ttft_ms": 1, "tpot_ms": 1}, "home_devices": ["h0"]},
+    {"name": "b", "model": "tiny", "sla": {"ttft_ms": 1, "tpot_ms": 1}, "home_devices": ["g0"]}]})
+
+
+async def _setup(redis, prefix) -> tuple[GMGStore, LeaseStore]:
+    store = GMGStore(redis, prefix)
+    await store.register_cluster(CLUSTER, TENANTS)
+    return store, LeaseStore(store)
+
+
+def _lease(lid: str, nbytes: int, segs=("mlp[0]",), end: float = 200.0) -> Lease:
+    return Lease(lid, "a", "g0", tuple(segs), 100.0, end, nbytes, home="h0")
+
+
+async def _state(redis, store):
+    mirror, epoch, _ = await read_mirror(redis, store.keys)
+    return mirror, epoch
+
+
+async def test_lease_needs_resident_weights_and_memory(redis, prefix):
+    store, leases = await _setup(redis, prefix)
+    before = await _state(redis, store)
+    r = await leases.commit(_lease("L1", 100))
+    assert isinstance(r, Refused) and r.reason == "not_resident" and r.detail == "a|mlp[0]"
+    assert await _state(redis, store) == before  # nothing changed, not even the epoch
+    assert isinstance(await leases.stage("g0", "a", {"mlp[0]": 4000, "mlp[1]": 3000}), int)
+    assert (await store.device("g0"))["reserved"] == "7000"
+    before = await _state(redis, store)
+    r = await leases.commit(_lease("L1", 2001, segs=("mlp[0]", "mlp[1]")))  # 7000 + 2001 > 9000
+    assert isinstance(r, Refused) and r.reason == "insufficient_memory" and r.device == "g0"
+    assert await _state(redis, store) == before
+    epoch = await leases.commit(_lease("L1", 2000, segs=("mlp[0]", "mlp[1]")))
+    assert isinstance(epoch, int) and epoch == before[1] + 1
+    snap_m, _ = await _state(redis, store)
+    k = store.keys
+    assert snap_m[k.lease("L1")]["state"] == "active" and snap_m[k.leases("g0")] == {"L1": 200.0}
+    assert snap_m[k.pins("g0")] == {"a|mlp[0]": "1", "a|mlp[1]": "1"}
+    assert (await store.reservations("g0"))["lease:L1"].nbytes == 2000
+    r = await leases.commit(_lease("L1", 1))
+    assert isinstance(r, Refused) and r.reason == "lease_exists"
+
+
+async def test_pinned_weights_cannot_be_evicted_and_close_is_idempotent(redis, prefix):
+    store, leases = await _setup(redis, prefix)
+    await leases.stage("g0", "a", {"mlp[0]": 1000})
+    assert isinstance(await leases.commit(_lease("L1", 500)), int)
+    before = await _state(redis, store)
+    r = await leases.evict("g0", "a", ["mlp[0]"])
+    assert isinstance(r, Refused) and r.reason == "pinned"
+    assert await _state(redis, store) == before
+    r = await leases.evict("h0", "a", ["mlp[0]"])  # home weights are not staged weights
+    assert isinstance(r, Refused) and r.reason == "not_staged"
+    closed = await leases.close("L1", "revoked", "home_needs_device")
+    assert closed is not None and closed.nbytes == 500
+    assert await leases.close("L1", "revoked") is None  # second close changes nothing
+    assert (await store.device("g0"))["reserved"] == "1000"
+    assert await leases.evict("g0", "a", ["mlp[0]"]) == 1000
+    mirror, _ = await _state(redis, store)
+    dev = mirror[store.keys.device("g0")]
+    assert dev["reserved"] == "0" and store.keys.lease("L1") not in mirror
+    assert ("a|mlp[0]" not in mirror.get(store.keys.resident("g0"), {}))
+    assert mirror[store.keys.resident("g0")]["b|mlp[0]"]  # g0's own tenant's weights stay resident
+
+
+async def test_expire_closes_only_ended_leases(redis, prefix):
+    store, leases = await _setup(redis, prefix)
+    await leases.stage("g0", "a", {"mlp[0]": 1000})
+    for lid, end in (("E1", 150.0), ("E2", 250.0)):
+        assert isinstance(await leases.commit(_lease(lid, 100, end=end)), int)
+    assert await leases.expire(now=200.0) == ["E1"]
+    assert [x.lease_id for x in await leases.active("g0")] == ["E2"]
+    assert int((await store.device("g0"))["reserved"]) == 1100
+    assert (await redis.hget(store.keys.pins("g0"), "a|mlp[0]")) == b"1"
+
+
+async def test_resize_grows_within_limit_only(redis, prefix):
+    store, _ = await _setup(redis, prefix)
+    assert isinstance(await store.reserve([Reservation("h0", "kv:r1", "kv", "a", 1000)]), int)
+    assert isinstance(await store.resize("h0", "kv:r1", 9000), int)
+    r = await store.resize("h0", "kv:r1", 9001)
+    assert isinstance(r, Refused) and r.reason == "insufficient_memory"
+    assert isinstance(await store.resize("h0", "kv:r1", 10), int)
+    assert (await store.reservations("h0"))["kv:r1"] == Reservation("h0", "kv:r1", "kv", "a", 10)
+    assert (await store.device("h0"))["reserved"] == "10"
+    r = await store.resize("h0", "kv:nope", 5)
+    assert isinstance(r, Refused) and r.reason == "unknown_owner"

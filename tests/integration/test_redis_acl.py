@@ -1,0 +1,240 @@
+"""Redis ACL users of the deployment, against a real redis-server.
+
+The server runs the deployment's own ``deploy/redis/redis.conf`` (only port, bind address, data dir and ACL file
+path overridden for a loopback test) with the ACL file rendered from the template using the passwords that
+``docker-compose.yml`` gives the ``redis-acl`` step; the clients use the REDIS_URL of each compose service. So
+this exercises the whole compose credential chain short of Docker itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
+from shared.procutil import free_port, wait_port
+from shared.redis_util import blocking_client, command_client
+from shared.streams import StreamProducer, ensure_group, safe_trim
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+SERVICES = ("gateway", "gmg", "simulator", "scheduler", "worker")
+
+
+def _support():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deploy_support_it", REPO / "tests/unit/deploy/deploy_support.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _render_module():
+    return _support().load_module(DEPLOY / "redis" / "render_acl.py", "render_acl_it")
+
+
+@pytest.fixture(scope="module")
+def compose_env():
+    compose = _support().interpolate(yaml.safe_load((REPO / "docker-compose.yml").read_text()), {})
+    return compose["services"]
+
+
+@pytest.fixture(scope="module")
+def acl_server(tmp_path_factory, compose_env):
+    """redis-server with deploy/redis/redis.conf and the rendered ACL file; yields (host, port)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server not installed")
+    tmp = tmp_path_factory.mktemp("redis-acl")
+    acl_env = {k: str(v) for k, v in compose_env["redis-acl"]["environment"].items()}
+    rm = _render_module()
+    acl = tmp / "users.acl"
+    acl.write_text(rm.render_acl((DEPLOY / "redis" / "users.acl.template").read_text(), acl_env))
+    port = free_port()
+    proc = subprocess.Popen([exe, str(DEPLOY / "redis" / "redis.conf"), "--port", str(port), "--bind", "127.0.0.1",
+                             "--dir", str(tmp), "--aclfile", str(acl), "--logfile", str(tmp / "redis.log")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        if not wait_port("127.0.0.1", port, 10):
+            pytest.fail(f"redis-server did not start: {(tmp / 'redis.log').read_text()[-2000:]}")
+        yield "127.0.0.1", port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def _url_of(compose_env, service: str, server) -> str:
+    """The compose service's REDIS_URL, pointed at the test server."""
+    u = urlsplit(compose_env[service]["environment"]["REDIS_URL"])
+    return urlunsplit((u.scheme, f"{u.username}:{u.password}@{server[0]}:{server[1]}", u.path, "", ""))
+
+
+def _plain(server, **kw) -> aioredis.Redis:
+    """A client without retries, for the refusals."""
+    return aioredis.Redis(host=server[0], port=server[1], socket_timeout=5, retry=None, **kw)
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"slicesched:t{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.mark.parametrize("service", ["gateway", "gmg", "simulator", "scheduler", "worker-cpu0"])
+async def test_service_user_runs_what_the_services_need(acl_server, compose_env, service, prefix):
+    url = _url_of(compose_env, service, acl_server)
+    r = command_client(url, name=f"acl-test-{service}")  # CLIENT SETNAME on every connection
+    b = blocking_client(url, block_ms=200, name=f"acl-test-{service}-blk")
+    stream, group = f"{prefix}requests", "g"
+    try:
+        assert await r.ping()
+        assert (await r.client_getname()) == f"acl-test-{service}"
+        await ensure_group(r, stream, group)
+        await ensure_group(r, stream, group)  # BUSYGROUP is handled
+        ids = [await r.xadd(stream, {"m": f"x{i}".encode()}) for i in range(3)]
+        got = await b.xreadgroup(group, "c1", {stream: ">"}, count=10, block=200)
+        assert [e[0].decode() for e in got[0][1]] == [i.decode() for i in ids]
+        assert await r.xack(stream, group, ids[0]) == 1
+        pending = await r.xpending(stream, group)
+        assert pending["pending"] == 2
+        assert len(await r.xpending_range(stream, group, "-", "+", 10)) == 2
+        claimed = await r.xautoclaim(stream, group, "c2", min_idle_time=0, start_id="0-0", count=10)
+        assert len(claimed[1]) == 2
+        assert await r.xclaim(stream, group, "c3", min_idle_time=0, message_ids=[ids[1]], justid=True)
+        assert (await r.xinfo_stream(stream))["length"] == 3
+        assert len(await r.xinfo_groups(stream)) == 1 and await r.xinfo_consumers(stream, group)
+        await safe_trim(r, stream)
+        await StreamProducer(r).add_many([])
+        h = f"{prefix}device:cpu0"
+        await r.hset(h, mapping={"used": 1, "capacity": 10})
+        assert (await r.hgetall(h))[b"capacity"] == b"10"
+        await r.zadd(f"{prefix}leases:cpu0", {"l1": 5.0})
+        await r.set(f"{prefix}epoch", 1)
+        assert await r.get(f"{prefix}epoch") == b"1"
+        assert await r.expire(f"{prefix}epoch", 30)
+        lua = "redis.call('SET', KEYS[1], ARGV[1]); return redis.call('TIME')[1]"
+        assert int(await r.eval(lua, 1, f"{prefix}k", "v")) > 0
+        sha = await r.script_load(lua)
+        assert int(await r.evalsha(sha, 1, f"{prefix}k", "w")) > 0
+        script = r.register_script("return redis.call('INCR', KEYS[1])")
+        assert await script(keys=[f"{prefix}n"]) == 1
+        async with r.pipeline(transaction=True) as p:
+            p.incr(f"{prefix}n").sadd(f"{prefix}set", "a")
+            assert await p.execute() == [2, 1]
+    finally:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}*")]
+        if keys:
+            await r.delete(*keys)
+        await r.aclose()
+        await b.aclose()
+
+
+DENIED = [
+    ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "appendonly", "no"), ("KEYS", "*"),
+    ("DEBUG", "SLEEP", "0"), ("SHUTDOWN", "NOSAVE"), ("ACL", "LIST"), ("ACL", "SETUSER", "x", "on"), ("INFO",),
+    ("CLIENT", "LIST"), ("CLIENT", "KILL", "ID", "1"), ("CLIENT", "PAUSE", "10"), ("SCRIPT", "FLUSH"),
+    ("FUNCTION", "FLUSH"), ("MONITOR",), ("SAVE",), ("BGREWRITEAOF",), ("REPLICAOF", "NO", "ONE"),
+    ("GET", "other:k"), ("SET", "other:k", "v"), ("XADD", "other:s", "*", "a", "1"), ("HGETALL", "other:h"),
+    ("DEL", "other:k"), ("GET", "slicesched"), ("RENAME", "slicesched:a", "other:a"),
+]
+
+
+@pytest.mark.parametrize("cmd", DENIED, ids=[" ".join(c) for c in DENIED])
+async def test_service_user_is_refused_dangerous_commands_and_other_prefixes(acl_server, compose_env, cmd):
+    url = _url_of(compose_env, "gateway", acl_server)
+    r = aioredis.Redis.from_url(url, socket_timeout=5, retry=None)
+    try:
+        with pytest.raises(NoPermissionError):
+            await r.execute_command(*cmd)
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.parametrize("service", ["gateway", "gmg", "simulator", "scheduler", "worker-cpu1"])
+async def test_every_service_user_is_confined(acl_server, compose_env, service):
+    r = aioredis.Redis.from_url(_url_of(compose_env, service, acl_server), socket_timeout=5, retry=None)
+    try:
+        for cmd in (("FLUSHALL",), ("CONFIG", "GET", "dir"), ("KEYS", "*"), ("SET", "other:k", "1")):
+            with pytest.raises(NoPermissionError):
+                await r.execute_command(*cmd)
+        # inside a Lua script the same rules hold
+        with pytest.raises(ResponseError, match="can't access"):
+            await r.eval("return redis.call('GET', 'other:k')", 0)
+        with pytest.raises(ResponseError, match="can't run this command"):
+            await r.eval("return redis.call('FLUSHALL')", 0)
+    finally:
+        await r.aclose()
+
+
+async def test_unauthenticated_and_wrong_credentials_are_refused(acl_server, compose_env):
+    gw = urlsplit(compose_env["gateway"]["environment"]["REDIS_URL"])
+    worker_pw = urlsplit(compose_env["worker-cpu0"]["environment"]["REDIS_URL"]).password
+    cases = [({}, "NOAUTH"), ({"password": gw.password}, "WRONGPASS"),  # default user is off
+             ({"username": "gateway", "password": "not-the-password"}, "WRONGPASS"),
+             ({"username": "gateway", "password": worker_pw}, "WRONGPASS"),
+             ({"username": "nobody", "password": gw.password}, "WRONGPASS")]
+    for kw, code in cases:
+        r = _plain(acl_server, **kw)
+        try:
+            with pytest.raises(AuthenticationError) as e:
+                await r.ping()
+            assert code in str(e.value) or code == "WRONGPASS" and "invalid username-password" in str(e.value)
+        finally:
+            await r.aclose()
+
+
+async def test_probe_user_can_only_ping(acl_server, compose_env):
+    pw = compose_env["redis"]["environment"]["REDISCLI_AUTH"]
+    r = _plain(acl_server, username="probe", password=pw)
+    try:
+        assert await r.ping()
+        for cmd in (("GET", "slicesched:x"), ("XADD", "slicesched:s", "*", "a", "1"), ("INFO",)):
+            with pytest.raises(NoPermissionError):
+                await r.execute_command(*cmd)
+    finally:
+        await r.aclose()
+
+
+def test_compose_healthcheck_command_works(acl_server, compose_env):
+    """The compose healthcheck's own redis-cli line, run against the server with the probe password."""
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli not installed")
+    test = compose_env["redis"]["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL"
+    line = test[1].replace("redis-cli ", f"redis-cli -h {acl_server[0]} -p {acl_server[1]} ", 1)
+    good = subprocess.run(["sh", "-c", line], env={"PATH": "/usr/bin:/bin",
+                                                   "REDISCLI_AUTH": compose_env["redis"]["environment"]["REDISCLI_AUTH"]},
+                          timeout=10)
+    bad = subprocess.run(["sh", "-c", line], env={"PATH": "/usr/bin:/bin", "REDISCLI_AUTH": "wrong-password-xx"},
+                         timeout=10)
+    assert good.returncode == 0 and bad.returncode != 0
+
+
+async def test_server_runs_with_the_deployment_settings(acl_server, compose_env):
+    pw = compose_env["redis-acl"]["environment"]["REDIS_PASSWORD_ADMIN"]
+    r = _plain(acl_server, username="admin", password=pw)
+    try:
+        cfg = await r.config_get("*")
+        assert cfg["appendonly"] == "yes" and cfg["appendfsync"] == "everysec"
+        assert cfg["protected-mode"] == "yes" and cfg["maxmemory-policy"] == "noeviction"
+        users = await r.acl_list()
+        default = next(u for u in users if u.startswith("user default "))
+        assert " off " in default + " " and "nopass" not in default
+        assert {u.split()[1] for u in users} == {"default", "admin", "probe", *SERVICES}
+        await asyncio.sleep(0)
+    finally:
+        await r.aclose()

@@ -117,7 +117,7 @@ def _traces(args: argparse.Namespace):
 
 def cmd_build(args: argparse.Namespace) -> int:
     from loadgen.builder import workload_document, write_workload_file
-    from loadgen.summary import format_stats, workload_stats
+    from loadgen.builder import format_stats, workload_stats
     from loadgen.workload import load_workload, parse_workload
 
     out = Path(args.output)
@@ -135,7 +135,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from loadgen.summary import format_stats, workload_stats
+    from loadgen.builder import format_stats, workload_stats
     from loadgen.workload import load_workload
 
     t = time.perf_counter()

@@ -68,21 +68,25 @@ def tenant_arrivals(plan: TenantPlan, rate_scale: float, duration_s: float,
     horizon = duration_s * rate_scale
     u = np.mod(tr.arrival_s - plan.offset_s, period)  # the tenant starts reading its trace at offset_s
     order = np.argsort(u, kind="stable")
-    u, inp, out = u[order], tr.input_tokens[order], tr.output_tokens[order]
-    tiles = max(1, math.ceil(horizon / period))
-    times = (np.arange(tiles, dtype=np.float64)[:, None] * period + u[None, :]).ravel()
-    inp, out = np.tile(inp, tiles), np.tile(out, tiles)
-    keep = times < horizon
-    times, inp, out = times[keep], inp[keep], out[keep]
+    u, inp_src, out_src = u[order], tr.input_tokens[order], tr.output_tokens[order]
     f = plan.factor
     whole = math.floor(f)
-    copies = np.full(times.size, whole, dtype=np.int64) + (rng.random(times.size) < (f - whole))
-    if f != 1.0:
-        idx = np.repeat(np.arange(times.size), copies)
-        copy_no = np.arange(idx.size) - np.repeat(np.cumsum(copies) - copies, copies)
-        jitter = plan.jitter_s if plan.jitter_s is not None else period / n
-        shift = np.where(copy_no > 0, rng.uniform(0.0, jitter, idx.size), 0.0)
-        times, inp, out = times[idx] + shift, inp[idx], out[idx]
+    jitter = plan.jitter_s if plan.jitter_s is not None else period / n
+    parts_t, parts_i = [], []
+    # tile by tile, choosing rows before materialising them: a heavily thinned tenant stays cheap
+    for c in range(max(1, math.ceil(horizon / period))):
+        last = int(np.searchsorted(u, horizon - c * period, side="left"))
+        copies = np.full(last, whole, dtype=np.int64) + (rng.random(last) < (f - whole))
+        idx = np.repeat(np.arange(last), copies) if f != 1.0 else np.arange(last)
+        t = c * period + u[idx]
+        if whole >= 1 and f != 1.0:
+            copy_no = np.arange(idx.size) - np.repeat(np.cumsum(copies) - copies, copies)
+            t = t + np.where(copy_no > 0, rng.uniform(0.0, jitter, idx.size), 0.0)
+        parts_t.append(t)
+        parts_i.append(idx)
+    times = np.concatenate(parts_t)
+    idx = np.concatenate(parts_i)
+    inp, out = inp_src[idx], out_src[idx]
     times = times / rate_scale
     keep = times < duration_s
     times, inp, out = times[keep], inp[keep], out[keep]
@@ -125,5 +129,6 @@ def build_requests(plans: list[TenantPlan], rate_scale: float, duration_s: float
     inp_l = np.concatenate(i_all)[order].tolist()
     out_l = np.concatenate(o_all)[order].tolist()
     num_l = np.concatenate(n_all)[order].tolist()
-    return tuple(WorkloadRequest(f"{names[k]}-{j}", t, names[k], i, o)
-                 for t, k, i, o, j in zip(times_l, ks_l, inp_l, out_l, num_l))
+    ids = [f"{names[k]}-{j}" for k, j in zip(ks_l, num_l)]
+    tenants = [names[k] for k in ks_l]
+    return tuple(map(WorkloadRequest, ids, times_l, tenants, inp_l, out_l))

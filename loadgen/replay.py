@@ -92,6 +92,8 @@ async def send_one(session: aiohttp.ClientSession, opts: ReplayOptions, req: Wor
                 try:
                     obj = json.loads(data)
                 except json.JSONDecodeError:
+                    obj = None
+                if not isinstance(obj, dict):
                     rec.status, rec.error = "failed", f"bad SSE data: {data[:100]}"
                     break
                 if "error" in obj:
@@ -103,7 +105,7 @@ async def send_one(session: aiohttp.ClientSession, opts: ReplayOptions, req: Wor
                 if choices:
                     chunks += 1
                     first_any = first_any if first_any is not None else now
-                    if choices[0].get("text"):
+                    if isinstance(choices[0], dict) and choices[0].get("text"):
                         token_times.append(now)
             end = time.perf_counter()
             rec.e2e_s = end - t0
@@ -112,7 +114,7 @@ async def send_one(session: aiohttp.ClientSession, opts: ReplayOptions, req: Wor
     except asyncio.TimeoutError:
         rec.status, rec.error = "timeout", f"no complete answer within {opts.timeout_s:g} s"
         rec.e2e_s = time.perf_counter() - t0
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, ValueError, OSError) as e:  # ValueError: an over-long SSE line
         rec.status, rec.error = "failed", f"{type(e).__name__}: {e}"[:300]
         rec.e2e_s = time.perf_counter() - t0
     except asyncio.CancelledError:
@@ -161,7 +163,7 @@ async def replay(requests: list[WorkloadRequest], opts: ReplayOptions, stop: asy
     records: list[RequestRecord] = []
     own = session is None
     if own:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))  # open loop: no client-side cap
     bar = tqdm(total=len(requests), unit="req", file=sys.stderr, disable=not opts.progress, dynamic_ncols=True)
     counts = {"ok": 0, "bad": 0}
     pending: set[asyncio.Task] = set()

@@ -183,3 +183,104 @@ GROUP_SCHEDULER = "scheduler"
 GROUP_WORKER = "worker"
 GROUP_GMG = "gmg"
 GROUP_SIMULATOR = "simulator"
+
+
+# ---------------------------------------------------------------- scheduler <-> simulator (what-if RPC)
+class WhatIfCandidate(msgspec.Struct, frozen=True, kw_only=True):
+    """One candidate placement to evaluate against the simulator's twin.
+
+    ``lease``: run ``segments`` (``mlp[l]`` names) of ``tenant``'s batch on guest ``device`` for ``duration_s``,
+    taking at most ``share`` of the guest's time, holding ``memory_bytes`` there (staging of segments not resident
+    on the guest is added). ``admit``: place a new request of ``tenant`` (``input_tokens``/``output_tokens``) on
+    ``device``.
+    """
+
+    kind: str  # lease | admit
+    tenant: str
+    device: str
+    home_device: str = ""
+    segments: list[str] = []
+    duration_s: float = 0.0
+    share: float = 1.0
+    memory_bytes: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    request_id: str = ""
+
+
+class WhatIfQuery(Msg, frozen=True, kw_only=True):
+    """A batch of candidates; the reply goes to ``sim_reply_stream(prefix, client)``."""
+
+    query_id: str
+    client: str
+    candidates: list[WhatIfCandidate]
+    horizon_s: float = 2.0
+    deadline_ts: float = 0.0  # 0 = none; a query still unanswered past this is dropped (the client has given up)
+
+
+class RequestPrediction(msgspec.Struct, frozen=True, array_like=True):
+    """Predicted latency of one affected request (running, queued, or the candidate itself)."""
+
+    request_id: str
+    tenant: str
+    device: str
+    ttft_ms: float  # predicted TTFT; for a request past its first token, the measured one is not known: 0
+    tpot_ms: float
+    sla_ok: bool
+
+
+class DeviceForecast(msgspec.Struct, frozen=True, array_like=True):
+    """One device over the horizon: busy intervals (seconds from the query) and the memory peak."""
+
+    device: str
+    busy: list[tuple[float, float]]
+    memory_peak_bytes: int
+    memory_limit_bytes: int
+
+
+class WhatIfOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """The prediction for candidate ``index`` of the query."""
+
+    index: int
+    feasible: bool  # memory_ok and sla_ok
+    memory_ok: bool
+    sla_ok: bool
+    reasons: list[str] = []  # what breaks: "memory:<device>", "sla_tpot:<tenant>", "unknown_device:<id>", ...
+    gain_ms: float = 0.0  # predicted TPOT reduction of the candidate's tenant (lease), or 0
+    requests: list[RequestPrediction] = []
+    devices: list[DeviceForecast] = []
+
+
+class WhatIfReply(Msg, frozen=True, kw_only=True):
+    query_id: str
+    epoch: int  # GMG epoch of the twin the answer was computed on
+    outcomes: list[WhatIfOutcome] = []
+    compute_ms: float = 0.0
+    error: str = ""  # non-empty: the query could not be evaluated (outcomes empty)
+
+
+SimRpcMsg = WhatIfQuery
+SimReplyMsg = WhatIfReply
+
+
+def sim_rpc_stream(prefix: str) -> str:
+    return f"{prefix}sim:rpc"
+
+
+def sim_reply_stream(prefix: str, client: str) -> str:
+    return f"{prefix}sim:reply:{client}"
+
+
+def sim_forecast_key(prefix: str, device: str) -> str:
+    """Hash the simulator publishes per device (see docs/redis-schema.md)."""
+    return f"{prefix}sim:forecast:{device}"
+
+
+def sim_rates_key(prefix: str) -> str:
+    """Hash of per-tenant arrival-rate estimates (see docs/redis-schema.md)."""
+    return f"{prefix}sim:rates"
+
+
+def sim_corrections_key(prefix: str) -> str:
+    """Hash of the simulator's online correction factors per (device, segment kind)."""
+    return f"{prefix}sim:corrections"

@@ -51,7 +51,7 @@ async def _mesh_round(url: str, key: str, model: str, batch: int, tokens: int, p
 
     async def one(session: aiohttp.ClientSession, i: int) -> float:
         body = {"model": model, "prompt": "A" * (prompt_len - 1), "max_tokens": tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0}
+                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         first, n = None, 0
         async with session.post(f"{url}/v1/completions", json=body,
@@ -60,11 +60,12 @@ async def _mesh_round(url: str, key: str, model: str, batch: int, tokens: int, p
             async for line in resp.content:
                 if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                     chunk = json.loads(line[6:])
-                    if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                        n += 1
-                        if first is None:
-                            first = time.perf_counter()
+                    if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
         end = time.perf_counter()
+        # TPOT as the field defines it: (E2E - TTFT) / (output tokens - 1)
         return (end - first) / max(1, n - 1)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:

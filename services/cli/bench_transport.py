@@ -45,6 +45,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="4K,64K,1M,16M", help="comma list of message sizes")
     parser.add_argument("--iters", type=int, default=100, help="timed iterations per backend and size")
     parser.add_argument("--warmup", type=int, default=10, help="untimed iterations first")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads in each process (workers run with cluster.yaml's threads, default 1)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
 
 
@@ -67,7 +69,7 @@ def _unavailable(backend: str) -> str | None:
     return None
 
 
-async def _bench_backend(backend: str, sizes: list[int], iters: int, warmup: int) -> list[dict]:
+async def _bench_backend(backend: str, sizes: list[int], iters: int, warmup: int, threads: int) -> list[dict]:
     largest = max(sizes)
     limits = TransportLimits(max_transfer_bytes=largest, max_inflight_bytes=4 * largest, stale_after_s=60)
     cuda = backend in ("cuda_ipc", "nccl")
@@ -75,7 +77,7 @@ async def _bench_backend(backend: str, sizes: list[int], iters: int, warmup: int
     peer = await PeerProcess.spawn()
     name = "nccl" if backend.startswith("nccl") else backend
     start = PeerStart(device_id="recv", backends=[name], max_transfer_bytes=limits.max_transfer_bytes,
-                      max_inflight_bytes=limits.max_inflight_bytes, torch_device=device)
+                      max_inflight_bytes=limits.max_inflight_bytes, torch_device=device, torch_threads=threads)
     if name == "nccl":
         ranks = {"send": 0, "recv": 1}
         opts = NcclPeerOptions(rank=1, world_size=2, store_addr=f"127.0.0.1:{_free_port()}", peer_ranks=ranks,
@@ -138,10 +140,11 @@ def run(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or not backends:
         raise ConfigError("command line", "--sizes/--backends", "give at least one size and one backend")
-    if args.iters <= 0 or args.warmup < 0:
-        raise ConfigError("command line", "--iters", "iters must be positive and warmup non-negative")
+    if args.iters <= 0 or args.warmup < 0 or args.threads <= 0:
+        raise ConfigError("command line", "--iters", "iters and threads must be positive, warmup non-negative")
+    torch.set_num_threads(args.threads)
     command = (f"slicesched bench transport --backends {','.join(backends)} --sizes {args.sizes} "
-               f"--iters {args.iters} --warmup {args.warmup}" + (f" --json {args.json_out}" if args.json_out else ""))
+               f"--iters {args.iters} --warmup {args.warmup} --threads {args.threads}" + (f" --json {args.json_out}" if args.json_out else ""))
     result = {"benchmark": "transport", "command": command,
               "machine": _machine(), "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
               "iters": args.iters, "warmup": args.warmup,
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{b:>9}  {why}")
             result["results"][b] = {"status": why}
             continue
-        rows = asyncio.run(_bench_backend(b, sizes, args.iters, args.warmup))
+        rows = asyncio.run(_bench_backend(b, sizes, args.iters, args.warmup, args.threads))
         result["results"][b] = {"status": "measured", "sizes": rows}
     if args.json_out:
         with open(args.json_out, "w") as f:

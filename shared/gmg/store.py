@@ -9,6 +9,7 @@ rebuild the GMG from a snapshot plus the stream. Leases and weight staging live 
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from shared.config import ClusterConfig, TenantsConfig
 from shared.gmg.keys import GMGKeys
 from shared.gmg.mutations import APPLY_SCRIPT, MutationBatch
 from shared.gmg.scripts import COMMIT, RELEASE
+from shared.model.config import ModelConfig
 from shared.model.graph import ModelGraph
 
 CHANGES_MAXLEN = 100_000
@@ -133,10 +135,10 @@ class GMGStore:
                 "max_queue": t.max_queue, "weight_bytes": t.model.config.weight_bytes(),
                 "kv_bytes_per_token": t.model.config.kv_bytes_per_token()})
             b.add("sadd", self.keys.tenants, t.name)
-            graph = ModelGraph.from_config(t.model.config)
-            b.setblob(self.keys.model_graph(t.name), msgspec.msgpack.encode(graph.to_dict()))
+            blob, seg_bytes = _graph(t.model.config)
+            b.setblob(self.keys.model_graph(t.name), blob)
             for d in t.home_devices:  # a home holds all its tenant's weights (DESIGN §4)
-                b.hset(self.keys.resident(d), {f"{t.name}|{s.name}": s.weight_bytes for s in graph.segments})
+                b.hset(self.keys.resident(d), {f"{t.name}|{s}": n for s, n in seg_bytes})
         return await self.apply("register", b)
 
     # ------------------------------------------------------------ memory commits
@@ -179,6 +181,13 @@ class GMGStore:
 
     async def epoch(self) -> int:
         return int(await self.redis.get(self.keys.epoch) or 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _graph(cfg: ModelConfig) -> tuple[bytes, tuple[tuple[str, int], ...]]:
+    """MessagePack of the model's operator graph and each segment's weight bytes."""
+    graph = ModelGraph.from_config(cfg)
+    return msgspec.msgpack.encode(graph.to_dict()), tuple((s.name, s.weight_bytes) for s in graph.segments)
 
 
 def _s(v) -> str:

@@ -82,7 +82,7 @@ class LlamaModel:
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos = emb.cos().to(self.device, self.dtype)
-        self._sin = emb.sin().to(self.device, self.dtype)
+        self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.device, self.dtype)  # sign folded in
 
     @classmethod
     def partial(cls, cfg: ModelConfig, segments: Iterable[str], device: str | torch.device = "cpu") -> "LlamaModel":
@@ -214,9 +214,8 @@ class LlamaModel:
             ctx.rope["sin"] = self._sin.index_select(0, ctx.positions).unsqueeze(1)
         sin = ctx.rope["sin"]
         qk = qkv[:, :nh + kvh]
-        half = hd // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = qk * cos + rotated * sin
+        # rotate_half(x) * sin == roll(x, hd/2) * (sin with its first half negated): one op fewer
+        qk = qk * cos + qk.roll(hd // 2, dims=-1) * sin
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:]
         kc, vc = ctx.kv.k[layer], ctx.kv.v[layer]  # type: ignore[union-attr]  # [kvh, slots, hd]
         if isinstance(ctx.slot_mapping, slice):

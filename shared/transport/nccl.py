@@ -41,7 +41,7 @@ _DTYPE_CODES = list(DTYPES)
 @dataclass
 class _Pending:
     seq: int
-    posted: Future
+    sent: Future  # done once the bytes have left this process's buffers
     tensors: tuple[torch.Tensor, ...]
     nbytes: int
     expires: float
@@ -75,6 +75,7 @@ class NcclTransport(Transport):
         self._groups: tuple | None = None
         self._starting: asyncio.Future | None = None
         self._send_ex: dict[int, ThreadPoolExecutor] = {}
+        self._wait_ex: dict[int, ThreadPoolExecutor] = {}
         self._channels: dict[int, _Channel] = {}
         self._seqs: dict[int, itertools.count] = {}
         self._pending: list[_Pending] = []
@@ -136,8 +137,9 @@ class NcclTransport(Transport):
         header = torch.tensor([MAGIC, seq, nbytes, _DTYPE_CODES.index(dname), len(shape), *shape]
                               + [0] * (HEADER_LEN - 5 - len(shape)), dtype=torch.int64, device=self.torch_device)
         ex = self._send_ex.setdefault(dst, ThreadPoolExecutor(1, thread_name_prefix=f"nccl-send-{dst}"))
-        posted = ex.submit(self._post_send, dst, header, payload)
-        self._pending.append(_Pending(seq, posted, (header, payload), nbytes,
+        waiter = self._wait_ex.setdefault(dst, ThreadPoolExecutor(1, thread_name_prefix=f"nccl-sent-{dst}"))
+        sent = waiter.submit(self._wait_sent, ex.submit(self._post_send, dst, header, payload))
+        self._pending.append(_Pending(seq, sent, (header, payload), nbytes,
                                       time.monotonic() + self.limits.stale_after_s))
         return TensorHandle(transfer_id=transfer_id, shape=shape, dtype=dname, nbytes=nbytes,
                             src_device=self.device_id, dst_device=dst_device, backend=self.backend,
@@ -153,6 +155,15 @@ class NcclTransport(Transport):
             works.append(dist.isend(payload, dst=dst, group=group))
         return works
 
+    def _wait_sent(self, posted: Future) -> None:
+        works = posted.result()
+        if self.dist_backend == "nccl":  # wait() would only order streams; poll the completion events
+            while not all(w.is_completed() for w in works):
+                time.sleep(0.0002)
+        else:  # gloo marks a send complete only inside wait()
+            for w in works:
+                w.wait()
+
     def _reserve(self, nbytes: int) -> bool | None:
         self._sweep()
         if self._inflight + nbytes > self.limits.max_inflight_bytes:
@@ -163,12 +174,10 @@ class NcclTransport(Transport):
     def _sweep(self) -> None:
         now, keep = time.monotonic(), []
         for p in self._pending:
-            done = p.posted.done() and (p.posted.exception() is not None
-                                        or all(w.is_completed() for w in p.posted.result()))
-            if done:
+            if p.sent.done():
                 self._inflight -= p.nbytes
-                if p.posted.exception() is not None:
-                    log.warning("nccl_send_failed", device=self.device_id, seq=p.seq, error=str(p.posted.exception()))
+                if p.sent.exception() is not None:
+                    log.warning("nccl_send_failed", device=self.device_id, seq=p.seq, error=str(p.sent.exception()))
             elif now > p.expires:
                 self._inflight -= p.nbytes
                 self._abandoned.append(p)  # NCCL may still read these buffers: keep them referenced
@@ -235,7 +244,7 @@ class NcclTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        for ex in [*self._send_ex.values(), *(c.executor for c in self._channels.values())]:
+        for ex in [*self._send_ex.values(), *self._wait_ex.values(), *(c.executor for c in self._channels.values())]:
             ex.shutdown(wait=False, cancel_futures=True)
         if self._groups is not None:
             import torch.distributed as dist

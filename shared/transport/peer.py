@@ -40,6 +40,7 @@ class PeerStart(msgspec.Struct, frozen=True, kw_only=True, tag="start"):
     stale_after_s: float = 30.0
     nccl: NcclPeerOptions | None = None
     torch_device: str = "cpu"
+    torch_threads: int = 1  # like a worker (cluster.yaml ``threads``); 2 processes x N threads oversubscribe
 
 
 class PeerSend(msgspec.Struct, frozen=True, kw_only=True, tag="send"):
@@ -98,6 +99,7 @@ class _Peer:
     def __init__(self) -> None:
         self.transports: dict = {}
         self.device = "cpu"
+        self.outs: dict[tuple, torch.Tensor] = {}  # reused like a worker's activation buffers
 
     async def handle(self, cmd: Command) -> PeerReply:
         if isinstance(cmd, PeerStart):
@@ -109,8 +111,12 @@ class _Peer:
             return PeerReply(ok=True, handle=h, digest=digest(t), seconds=time.perf_counter() - started)
         if isinstance(cmd, PeerRecv):
             tr = self.transports[cmd.handle.backend]
-            out = torch.empty(cmd.handle.shape, dtype=torch_dtype(cmd.handle.dtype), device=self.device) \
-                if cmd.use_out else None
+            out = None
+            if cmd.use_out:
+                key = (tuple(cmd.handle.shape), cmd.handle.dtype)
+                out = self.outs.get(key)
+                if out is None:
+                    out = self.outs[key] = torch.empty(key[0], dtype=torch_dtype(key[1]), device=self.device)
             started = time.perf_counter()
             t = await tr.recv(cmd.handle, cmd.timeout_s, out)
             took = time.perf_counter() - started
@@ -125,6 +131,7 @@ class _Peer:
 
         limits = TransportLimits(cmd.max_transfer_bytes, cmd.max_inflight_bytes, cmd.stale_after_s)
         self.device = cmd.torch_device
+        torch.set_num_threads(cmd.torch_threads)
         info = {}
         for name in cmd.backends:
             cls = TRANSPORTS.get(name)

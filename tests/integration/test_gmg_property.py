@@ -178,7 +178,10 @@ class GMGMachine(RuleBasedStateMachine):
             assert {k.decode() for k in rows} == set(self.res[d])
 
 
-@pytest.mark.parametrize("examples", [int(os.environ.get("GMG_PROPERTY_EXAMPLES", "1000"))])
+@pytest.mark.parametrize("examples", [
+    int(os.environ.get("GMG_PROPERTY_EXAMPLES", "250")),
+    pytest.param(3000, marks=pytest.mark.slow),  # thousands of sequences: `pytest -m slow`
+])
 def test_gmg_memory_safety_property(redis_url, prefix, examples):
     loop = asyncio.new_event_loop()
     GMGMachine.loop, GMGMachine.redis_url, GMGMachine.base = loop, redis_url, prefix

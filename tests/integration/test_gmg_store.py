@@ -54,3 +54,71 @@ async def test_concurrent_committers_never_exceed_limit(redis_url, redis, prefix
         dev = await store.device(d)
         total = sum(r.nbytes for r in (await store.reservations(d)).values())
         assert int(dev["reserved"]) == total <= int(dev["limit"]) == 900
+
+
+async def test_concurrent_mixed_committers_account_for_every_byte(redis_url, redis, prefix):
+    """16 clients race multi-device admissions, KV growth, releases and leases; a monitor samples every device
+    while they run. Never over the limit; every call returns an epoch or a refusal; the final reservations are
+    exactly the granted minus the released."""
+    from shared.gmg import Resize
+    from shared.gmg.leases import Lease, LeaseStore
+
+    store = GMGStore(redis, prefix)
+    await store.register_cluster(CLUSTER, TENANTS)
+    await LeaseStore(store).stage("d1", "a", {"mlp[0]": 100})
+    clients = [command_client(redis_url) for _ in range(16)]
+    granted: dict[str, dict[str, int]] = {"d0": {}, "d1": {"weights:a:mlp[0]": 100}}
+    outcomes: list = []
+    done = asyncio.Event()
+    peaks = {"d0": 0, "d1": 0}
+
+    async def monitor() -> None:
+        while not done.is_set():
+            for d in ("d0", "d1"):
+                peaks[d] = max(peaks[d], int((await store.device(d))["reserved"]))
+            await asyncio.sleep(0)
+
+    async def committer(i: int, c) -> None:
+        s, leases = GMGStore(c, prefix), LeaseStore(GMGStore(c, prefix))
+        for j in range(20):
+            size = 5 + (i * 7 + j * 3) % 40
+            if j % 4 == 3:  # a lease on d1
+                lease = Lease(f"L{i}-{j}", "a", "d1", ("mlp[0]",), 0.0, 1.0, size)
+                res = await leases.commit(lease)
+                outcomes.append(res)
+                if not isinstance(res, Refused):
+                    if j % 8 == 7:
+                        assert await leases.close(lease.lease_id) == lease
+                    else:
+                        granted["d1"][f"lease:{lease.lease_id}"] = size
+                continue
+            items = [Reservation("d0", f"kv:{i}:{j}", "kv", "a", size),
+                     Reservation("d1", f"kv:{i}:{j}", "kv", "a", size // 2)]
+            res = await s.reserve(items)
+            outcomes.append(res)
+            if isinstance(res, Refused):
+                continue
+            granted["d0"][items[0].owner], granted["d1"][items[1].owner] = size, size // 2
+            res = await s.commit("resize", [Resize("d0", items[0].owner, size * 2)])  # KV growth
+            outcomes.append(res)
+            if not isinstance(res, Refused):
+                granted["d0"][items[0].owner] = size * 2
+            if j % 3 == 0:
+                for d in ("d0", "d1"):
+                    assert await s.release(d, items[0].owner) == granted[d].pop(items[0].owner)
+
+    mon = asyncio.create_task(monitor())
+    await asyncio.gather(*(committer(i, c) for i, c in enumerate(clients)))
+    done.set()
+    await mon
+    for c in clients:
+        await c.aclose()
+    refused = [r for r in outcomes if isinstance(r, Refused)]
+    assert refused and all(r.reason == "insufficient_memory" for r in refused)
+    assert all(isinstance(r, (int, Refused)) for r in outcomes)
+    for d in ("d0", "d1"):
+        dev = await store.device(d)
+        held = {o: r.nbytes for o, r in (await store.reservations(d)).items()}
+        assert held == granted[d]
+        assert int(dev["reserved"]) == sum(held.values()) <= int(dev["limit"]) == 900
+        assert peaks[d] <= 900

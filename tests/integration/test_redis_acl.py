@@ -21,7 +21,8 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from shared.procutil import free_port, wait_port
 from shared.redis_util import blocking_client, command_client
-from shared.streams import StreamProducer, ensure_group, safe_trim
+from shared.messages import EventsMsg, WorkerHeartbeat, dead_stream, events_stream
+from shared.streams import ACK, StreamConsumer, StreamProducer, ensure_group, safe_trim
 
 pytestmark = pytest.mark.integration
 
@@ -60,14 +61,21 @@ def acl_server(tmp_path_factory, compose_env):
     rm = _render_module()
     acl = tmp / "users.acl"
     acl.write_text(rm.render_acl((DEPLOY / "redis" / "users.acl.template").read_text(), acl_env))
+    # redis-server changes into `dir` while parsing the file, before command-line overrides apply, so the copy
+    # swaps that one line; everything else is the deployment's file verbatim.
+    conf_text = (DEPLOY / "redis" / "redis.conf").read_text()
+    assert conf_text.count("\ndir /data\n") == 1
+    conf = tmp / "redis.conf"
+    conf.write_text(conf_text.replace("\ndir /data\n", f"\ndir {tmp}\n"))
     port = free_port()
-    proc = subprocess.Popen([exe, str(DEPLOY / "redis" / "redis.conf"), "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", str(tmp), "--aclfile", str(acl), "--logfile", str(tmp / "redis.log")],
+    proc = subprocess.Popen([exe, str(conf), "--port", str(port), "--bind", "127.0.0.1",
+                             "--aclfile", str(acl), "--logfile", str(tmp / "redis.log")],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
         if not wait_port("127.0.0.1", port, 10):
-            pytest.fail(f"redis-server did not start: {(tmp / 'redis.log').read_text()[-2000:]}")
+            log = tmp / "redis.log"
+            pytest.fail(f"redis-server did not start: {log.read_text()[-2000:] if log.exists() else proc.poll()}")
         yield "127.0.0.1", port
     finally:
         proc.terminate()
@@ -118,7 +126,6 @@ async def test_service_user_runs_what_the_services_need(acl_server, compose_env,
         assert (await r.xinfo_stream(stream))["length"] == 3
         assert len(await r.xinfo_groups(stream)) == 1 and await r.xinfo_consumers(stream, group)
         await safe_trim(r, stream)
-        await StreamProducer(r).add_many([])
         h = f"{prefix}device:cpu0"
         await r.hset(h, mapping={"used": 1, "capacity": 10})
         assert (await r.hgetall(h))[b"capacity"] == b"10"
@@ -143,6 +150,46 @@ async def test_service_user_runs_what_the_services_need(acl_server, compose_env,
         await b.aclose()
 
 
+async def test_stream_consumer_runs_as_a_service_user(acl_server, compose_env, prefix):
+    """The project's own producer/consumer (PEL read, ack, reclaim, dead letter, trim) under the gmg ACL user."""
+    url = _url_of(compose_env, "gmg", acl_server)
+    r = command_client(url, name="acl-test-consumer")
+    stream, seen = events_stream(prefix), []
+
+    async def handler(d):
+        seen.append(d.msg.device)
+        return ACK
+
+    def consumer(name):
+        return StreamConsumer(cmd=r, blocking=blocking_client(url, block_ms=200), stream=stream, group="gmg",
+                              consumer=name, types=EventsMsg, handler=handler, dead_stream=dead_stream(prefix),
+                              block_ms=200, min_idle_ms=0)
+
+    try:
+        prod = StreamProducer(r)
+        for i in range(4):
+            await prod.add(stream, WorkerHeartbeat(msg_id=f"h{i}", device=f"cpu{i}", worker_id="w", backend="cpu",
+                                                   home_tenant="t", ts=1.0))
+        await r.xadd(stream, {b"t": b"WorkerHeartbeat", b"m": b"\xc1not-msgpack"})  # poison entry
+        a = consumer("a")
+        await a.ensure_group()
+        await a.blocking.xreadgroup("gmg", "a", {stream: ">"}, count=2)  # "a" dies holding two entries
+        b = consumer("b")
+        assert await b.reclaim_once() == 2
+        await asyncio.wait_for(b.run(asyncio.Event(), max_messages=4), 10)
+        assert sorted(seen) == ["cpu0", "cpu1", "cpu2", "cpu3"]
+        assert b.dead_lettered == 1 and await r.xlen(dead_stream(prefix)) == 1
+        assert (await r.xpending(stream, "gmg"))["pending"] == 0
+        await safe_trim(r, stream)
+        await a.blocking.aclose()
+        await b.blocking.aclose()
+    finally:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}*")]
+        if keys:
+            await r.delete(*keys)
+        await r.aclose()
+
+
 DENIED = [
     ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "appendonly", "no"), ("KEYS", "*"),
     ("DEBUG", "SLEEP", "0"), ("SHUTDOWN", "NOSAVE"), ("ACL", "LIST"), ("ACL", "SETUSER", "x", "on"), ("INFO",),
@@ -158,10 +205,28 @@ async def test_service_user_is_refused_dangerous_commands_and_other_prefixes(acl
     url = _url_of(compose_env, "gateway", acl_server)
     r = aioredis.Redis.from_url(url, socket_timeout=5, retry=None)
     try:
-        with pytest.raises(NoPermissionError):
-            await r.execute_command(*cmd)
+        if cmd[0] == "DEBUG":  # enable-debug-command no refuses it before the ACL is consulted
+            with pytest.raises(ResponseError, match="DEBUG command not allowed"):
+                await r.execute_command(*cmd)
+        else:
+            with pytest.raises(NoPermissionError):
+                await r.execute_command(*cmd)
     finally:
         await r.aclose()
+
+
+async def test_acl_alone_denies_every_refused_command_for_every_service_user(acl_server, compose_env):
+    """ACL DRYRUN asks the ACL only (no other server setting), for each service user and refused command."""
+    pw = compose_env["redis-acl"]["environment"]["REDIS_PASSWORD_ADMIN"]
+    admin = _plain(acl_server, username="admin", password=pw)
+    try:
+        for user in SERVICES:
+            assert await admin.execute_command("ACL", "DRYRUN", user, "XADD", "slicesched:s", "*", "a", "1") == b"OK"
+            for cmd in DENIED:
+                verdict = (await admin.execute_command("ACL", "DRYRUN", user, *cmd)).decode()
+                assert verdict != "OK" and "no permissions" in verdict, (user, cmd, verdict)
+    finally:
+        await admin.aclose()
 
 
 @pytest.mark.parametrize("service", ["gateway", "gmg", "simulator", "scheduler", "worker-cpu1"])
@@ -180,19 +245,38 @@ async def test_every_service_user_is_confined(acl_server, compose_env, service):
         await r.aclose()
 
 
-async def test_unauthenticated_and_wrong_credentials_are_refused(acl_server, compose_env):
+async def test_unauthenticated_client_gets_noauth(acl_server):
+    """On the wire: a client that never authenticates is answered NOAUTH, whatever it sends."""
+    reader, writer = await asyncio.open_connection(*acl_server)
+    try:
+        for cmd in (b"PING", b"GET slicesched:x", b"FLUSHALL"):
+            writer.write(cmd + b"\r\n")
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), 5)
+            assert line.startswith(b"-NOAUTH"), line
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    r = _plain(acl_server)
+    try:
+        with pytest.raises(AuthenticationError, match="authenticated|NOAUTH"):
+            await r.ping()
+    finally:
+        await r.aclose()
+
+
+async def test_wrong_credentials_are_refused(acl_server, compose_env):
     gw = urlsplit(compose_env["gateway"]["environment"]["REDIS_URL"])
     worker_pw = urlsplit(compose_env["worker-cpu0"]["environment"]["REDIS_URL"]).password
-    cases = [({}, "NOAUTH"), ({"password": gw.password}, "WRONGPASS"),  # default user is off
-             ({"username": "gateway", "password": "not-the-password"}, "WRONGPASS"),
-             ({"username": "gateway", "password": worker_pw}, "WRONGPASS"),
-             ({"username": "nobody", "password": gw.password}, "WRONGPASS")]
-    for kw, code in cases:
+    cases = [{"password": gw.password},  # the default user is off, whatever the password
+             {"username": "gateway", "password": "not-the-password"},
+             {"username": "gateway", "password": worker_pw},
+             {"username": "nobody", "password": gw.password}]
+    for kw in cases:
         r = _plain(acl_server, **kw)
         try:
-            with pytest.raises(AuthenticationError) as e:
+            with pytest.raises(AuthenticationError, match="WRONGPASS|invalid username-password"):
                 await r.ping()
-            assert code in str(e.value) or code == "WRONGPASS" and "invalid username-password" in str(e.value)
         finally:
             await r.aclose()
 

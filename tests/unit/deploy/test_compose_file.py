@@ -5,6 +5,7 @@ No container engine runs here, so nothing is started: the file is checked as dat
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -86,38 +87,57 @@ def test_services_run_the_entry_points():
             assert len(cmd) == 3
 
 
+def _config_dir(svc: dict) -> Path:
+    """The host directory a service mounts at /etc/slicesched (where SLICESCHED_CLUSTER/TENANTS point)."""
+    env = _env(svc)
+    assert env["SLICESCHED_CLUSTER"] == "/etc/slicesched/cluster.yaml"
+    assert env["SLICESCHED_TENANTS"] == "/etc/slicesched/tenants.yaml"
+    mounts = [v for v in svc["volumes"] if v.endswith(":/etc/slicesched:ro")]
+    assert len(mounts) == 1
+    return REPO / mounts[0].split(":")[0]
+
+
+def _check_homes(cluster, tenants) -> None:
+    """The worker refuses a device that is not home to exactly one tenant."""
+    for d in cluster.devices:
+        assert sum(d.id in t.home_devices for t in tenants.tenants) == 1, d.id
+
+
 def test_one_cpu_worker_per_device_of_the_cluster_config():
     services = _compose()["services"]
-    repo_devices = [d.id for d in load_cluster(REPO / "configs" / "cluster.yaml").devices]
+    repo_cluster = load_cluster(REPO / "configs" / "cluster.yaml")
     cpu_workers = sorted(n.removeprefix("worker-") for n in services
                          if n.startswith("worker-") and "profiles" not in services[n])
-    assert cpu_workers == sorted(repo_devices)
-    # The cluster file the containers read lists the same devices, each hosted by its worker container.
-    env = _env(services["gateway"])
-    assert env["SLICESCHED_CLUSTER"] == "/etc/slicesched/cluster.yaml"
-    mounted = Path(REPO / "deploy" / "compose" / "cluster.yaml")
-    assert "./deploy/compose:/etc/slicesched:ro" in services["gateway"]["volumes"]
-    cluster = load_cluster(mounted)
-    assert sorted(d.id for d in cluster.devices) == sorted(repo_devices)
-    for d in cluster.devices:
-        assert d.host == f"worker-{d.id}"
-    load_tenants(REPO / "configs" / "tenants.yaml", cluster)  # every home device exists
+    assert cpu_workers == sorted(d.id for d in repo_cluster.devices)
+    dirs = {_config_dir(services[n]) for n in APP_SERVICES}
+    assert dirs == {REPO / "deploy" / "compose" / "cpu"}, "every service reads the same config"
+    cluster = load_cluster(REPO / "deploy" / "compose" / "cpu" / "cluster.yaml")
+    # the compose config is configs/ with each device hosted by its own worker container
+    for mine, repo in zip(cluster.devices, repo_cluster.devices, strict=True):
+        assert mine.host == f"worker-{mine.id}"
+        assert dataclasses.replace(mine, host=repo.host) == repo
+    tenants = load_tenants(REPO / "deploy" / "compose" / "cpu" / "tenants.yaml", cluster)
+    assert tenants.tenants == load_tenants(REPO / "configs" / "tenants.yaml", repo_cluster).tenants
+    _check_homes(cluster, tenants)
 
 
 def test_gpu_profile_reserves_an_nvidia_gpu():
-    services = _compose({"SLICESCHED_CLUSTER_FILE": "cluster.gpu.yaml"})["services"]
+    services = _compose({"SLICESCHED_COMPOSE_VARIANT": "gpu"})["services"]
     gpu = [n for n, s in services.items() if "gpu" in (s.get("profiles") or [])]
     assert gpu == ["worker-cuda0"]
     assert all("profiles" not in s for n, s in services.items() if n != "worker-cuda0")
     devices = services["worker-cuda0"]["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert re.search(r"/whl/cu\d+$", services["worker-cuda0"]["build"]["args"]["TORCH_INDEX_URL"])
-    path = _env(services["worker-cuda0"])["SLICESCHED_CLUSTER"]
-    assert path == "/etc/slicesched/cluster.gpu.yaml"
-    cluster = load_cluster(REPO / "deploy" / "compose" / "cluster.gpu.yaml")
+    assert services["worker-cuda0"]["image"] != services["worker-cpu0"]["image"]
+    dirs = {_config_dir(services[n]) for n in APP_SERVICES}
+    assert dirs == {REPO / "deploy" / "compose" / "gpu"}
+    cluster = load_cluster(REPO / "deploy" / "compose" / "gpu" / "cluster.yaml")
     cuda = cluster.device("cuda0")
     assert cuda.backend == "cuda" and cuda.host == "worker-cuda0"
-    load_tenants(REPO / "configs" / "tenants.yaml", cluster)
+    assert sorted(n.removeprefix("worker-") for n in services if n.startswith("worker-")) == \
+        sorted(d.id for d in cluster.devices)
+    _check_homes(cluster, load_tenants(REPO / "deploy" / "compose" / "gpu" / "tenants.yaml", cluster))
 
 
 def test_each_service_kind_has_its_own_acl_user_and_matching_password():

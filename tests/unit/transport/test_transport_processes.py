@@ -86,7 +86,7 @@ async def test_nccl_backend_over_gloo_between_two_processes(spawn_peer):
     peers = await asyncio.gather(spawn_peer(), spawn_peer())
     store, ranks = f"127.0.0.1:{_free_port()}", {"g0": 0, "g1": 1}
     started = await asyncio.gather(*[
-        p.call(PeerStart(device_id=f"g{i}", backends=["nccl"],
+        p.call(PeerStart(device_id=f"g{i}", backends=["nccl"], max_transfer_bytes=4096, max_inflight_bytes=4096,
                          nccl=NcclPeerOptions(rank=i, world_size=2, store_addr=store, peer_ranks=ranks,
                                               dist_backend="gloo")))
         for i, p in enumerate(peers)])
@@ -101,6 +101,13 @@ async def test_nccl_backend_over_gloo_between_two_processes(spawn_peer):
             assert got.ok and got.digest == sent.digest, got.error
             back = await g0.call(PeerRecv(handle=got.handle))  # the other direction's group
             assert back.ok and back.digest == sent.digest, back.error
+
+    # completed sends give their buffer space back: twenty 2 KiB sends through a 4 KiB budget
+    for k in range(20):
+        sent = await g0.call(PeerSend(transfer_id=f"s{k}", backend="nccl", dst_device="g1", shape=[512],
+                                      dtype="float32", seed=k, timeout_s=5.0))
+        assert sent.ok, sent.error
+        assert (await g1.call(PeerRecv(handle=sent.handle))).digest == sent.digest
 
     # handles may arrive out of order: the receiver drains in sequence and stashes
     first = await g0.call(PeerSend(transfer_id="a", backend="nccl", dst_device="g1", shape=[10], dtype="float32",

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trace", action="append", required=True, help="trace file (repeat; tenants take them in turn)")
     b.add_argument("--format", action="append", choices=("azure", "jsonl", "csv", "servegen"),
                    help="trace format (once for all traces, or once per --trace); default: guessed")
-    b.add_argument("--columns", action="append", help="csv column mapping, e.g. time=ts_s,input=prompt,output=completion")
+    b.add_argument("--columns", action="append",
+                   help="csv column mapping, e.g. time=ts_s,input=prompt,output=completion")
     b.add_argument("--time-unit", default="s", choices=("s", "ms", "us", "ns", "iso"), help="csv time column unit")
     b.add_argument("--tenants", required=True, help="tenants file (tenants in popularity order)")
     b.add_argument("--cluster", help="cluster file to record in the workload (optional)")

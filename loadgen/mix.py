@@ -106,7 +106,8 @@ def cap_lengths(inp: np.ndarray, out: np.ndarray, context: int, max_input: int |
     return inp.astype(np.int64), out.astype(np.int64)
 
 
-def build_requests(plans: list[TenantPlan], rate_scale: float, duration_s: float, seed: int) -> tuple[WorkloadRequest, ...]:
+def build_requests(plans: list[TenantPlan], rate_scale: float, duration_s: float,
+                   seed: int) -> tuple[WorkloadRequest, ...]:
     """All tenants' arrivals merged in time order (ties keep tenant order); ids are ``<tenant>-<n>``."""
     if rate_scale <= 0:
         raise ValueError("rate_scale must be positive")

@@ -61,6 +61,7 @@ def plot_device_timeline(intervals: Sequence[Interval], path: str | Path, *, tit
             if spans:
                 ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=palette[lab])
     ax.set_yticks(range(len(devices)), devices)
+    ax.invert_yaxis()  # first device on top
     ax.set_xlabel("time (s)")
     ax.set_title(title or "device busy time")
     handles = [plt.Rectangle((0, 0), 1, 1, color=palette[lab]) for lab in labels]

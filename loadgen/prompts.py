@@ -85,7 +85,8 @@ class TokenizerSynthesizer(PromptSynthesizer):
         self.words = [w for w in _WORDS if len(self.tok.encode(" " + w, add_special_tokens=False).ids) == 1
                       and len(self.tok.encode(w, add_special_tokens=False).ids) == 1]
         if not self.words:
-            raise ConfigError(self.path, "(vocab)", "no common English word is a single token; cannot synthesise prompts")
+            raise ConfigError(self.path, "(vocab)",
+                              "no common English word is a single token; cannot synthesise prompts")
 
     def count(self, text: str) -> int:
         return len(self.tok.encode(text).ids)

@@ -22,7 +22,8 @@ from shared.workload import Workload, WorkloadRequest
 log = structlog.get_logger(__name__)
 
 
-def load_keys(tenants: TenantsConfig, api_key_file: str | None = None, tenants_file: str | None = None) -> dict[str, str]:
+def load_keys(tenants: TenantsConfig, api_key_file: str | None = None,
+              tenants_file: str | None = None) -> dict[str, str]:
     """One API key per tenant: a keys file (tenant → key or [keys]) or a tenants file's plain-text dev keys.
 
     With neither, the workload's own tenants file is tried. A tenant without a key is an error naming the file.

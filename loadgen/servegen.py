@@ -86,7 +86,8 @@ def read_rates(path: str | Path, model: str) -> RateTable:
     weibull = dist == "Weibull"
     bad = ~(weibull | (dist == "Gamma"))
     if bad.any():
-        _raise_at(path, text, model, int(np.argmax(bad)), "iat_dist", f"expected Gamma or Weibull, got {dist[bad][0]!r}")
+        _raise_at(path, text, model, int(np.argmax(bad)), "iat_dist",
+                  f"expected Gamma or Weibull, got {dist[bad][0]!r}")
     for name, v in (("rate_rps", rate), ("iat_param1", shape)):
         bad = ~(np.isfinite(v) & (v >= 0))
         if bad.any():
@@ -137,16 +138,17 @@ def select_clients(table: RateTable, start_s: float, span_s: float, top: int | N
                    ids: list[int] | None = None, where: str = "clients") -> list[int]:
     """Explicit ``ids`` (kept in order) or the ``top`` clients by mean rate in the span, busiest first."""
     rates = mean_rates(table, start_s, span_s)
+    src = f"servegen {table.model}"
     if ids is not None:
         for c in ids:
             if rates.get(c, 0.0) <= 0:
-                raise TraceError(table.model, where, f"client {c} has no requests in [{start_s}, {start_s + span_s}) s")
+                raise TraceError(src, where, f"client {c} has no requests in [{start_s}, {start_s + span_s}) s")
         return list(ids)
     active = sorted((c for c, r in rates.items() if r > 0), key=lambda c: (-rates[c], c))
     if top is None or top <= 0:
-        raise TraceError(table.model, where, "give a positive number of top clients or a list of client ids")
+        raise TraceError(src, where, "give a positive number of top clients or a list of client ids")
     if len(active) < top:
-        raise TraceError(table.model, where, f"only {len(active)} clients have requests in the span, asked for {top}")
+        raise TraceError(src, where, f"only {len(active)} clients have requests in the span, asked for {top}")
     return active[:top]
 
 
@@ -222,7 +224,8 @@ def read_lengths(path: str | Path, model: str) -> LengthStats:
             for col, j in cols:
                 d.setdefault(col, []).append(float(parts[j]) if parts[j] else 0.0)
         except ValueError:
-            raise TraceError(path, f"line {lineno}", "expected numbers in client_id, window_start_s and the stats") from None
+            raise TraceError(path, f"line {lineno}",
+                             "expected numbers in client_id, window_start_s and the stats") from None
     out = {c: {k: np.array(v) for k, v in d.items()} for c, d in per_client.items()}
     windows = np.unique(np.concatenate([d["window"] for d in out.values()]))
     pool: dict[str, np.ndarray] = {"window": windows}
@@ -246,7 +249,8 @@ def _lognormal(rng: np.random.Generator, p50: np.ndarray, p90: np.ndarray, p99: 
     return np.clip(np.rint(np.minimum(x, np.maximum(p99, p50))), 1, None)
 
 
-def sample_lengths(stats: LengthStats, client: int, abs_times_s: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def sample_lengths(stats: LengthStats, client: int, abs_times_s: np.ndarray,
+                   seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Input and output token counts for arrivals at absolute trace times (s from the ServeGen start)."""
     src = stats.per_client.get(client, stats.pool)
     win = src["window"]
@@ -281,7 +285,8 @@ def servegen_traces(rates_path: str | Path, lengths_path: str | Path, model: str
                     seed: int, top: int | None = None, ids: list[int] | None = None) -> list[Trace]:
     """One :class:`Trace` per selected client (busiest first for ``top``), covering [start_s, start_s + span_s)."""
     if not (0 <= start_s < TRACE_END_S) or span_s <= 0:
-        raise TraceError(rates_path, "start_s", f"the span must lie inside the 14-day trace (0 … {TRACE_END_S:.0f} s)")
+        raise TraceError(f"servegen {model}", "start_s",
+                         f"the span must start inside the 14-day trace (0 … {TRACE_END_S:.0f} s) and be positive")
     table, stats = _tables(str(rates_path), str(lengths_path), model, _mtime(rates_path), _mtime(lengths_path))
     traces = []
     for c in select_clients(table, start_s, span_s, top=top, ids=ids):

@@ -89,15 +89,16 @@ def _check_file(path: Path) -> None:
 
 
 def _positive_int(text: str, path: Path, line: int, col: str, *, allow_zero: bool = False) -> int:
+    where = f"line {line}, column {col}"
     try:
         v = int(text)
     except (TypeError, ValueError):
         try:
             f = float(text)
         except (TypeError, ValueError):
-            raise TraceError(path, f"line {line}, column {col}", f"expected an integer token count, got {text!r}") from None
+            raise TraceError(path, where, f"expected an integer token count, got {text!r}") from None
         if not f.is_integer():
-            raise TraceError(path, f"line {line}, column {col}", f"expected an integer token count, got {text!r}") from None
+            raise TraceError(path, where, f"expected an integer token count, got {text!r}") from None
         v = int(f)
     if v < 0 or (v == 0 and not allow_zero):
         raise TraceError(path, f"line {line}, column {col}", f"token count must be positive, got {text!r}")

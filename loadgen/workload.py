@@ -16,7 +16,7 @@ import yaml
 
 from loadgen.mix import TenantPlan, auto_offset, build_requests, popularity_weights
 from loadgen.servegen import servegen_traces
-from loadgen.traces import FORMATS, TIME_UNITS, Trace, expand_path, guess_format, read_trace
+from loadgen.traces import FORMATS, TIME_UNITS, Trace, TraceError, expand_path, guess_format, read_trace
 from shared.config import ConfigError, load_cluster, load_tenants
 from shared.workload import Workload
 
@@ -209,7 +209,12 @@ def resolve_traces(spec: WorkloadSpec) -> list[Trace]:
             lengths = str(lp)
         key = (ts.format, tuple(sorted(ts.columns.items())) if ts.columns else None, ts.time_unit, ts.model,
                ts.clients, ts.start_s, ts.span_s if ts.span_s else spec.duration_s, spec.seed)
-        out.extend(_cached_traces(key, str(p), lengths, p.stat().st_mtime))
+        try:
+            out.extend(_cached_traces(key, str(p), lengths, p.stat().st_mtime))
+        except TraceError as e:
+            if e.file in (str(p), lengths):
+                raise  # a problem inside a trace file: its own file, line and column
+            raise ConfigError(spec.source, f"traces[{i}].{e.field_path}", e.problem) from None
     for t in out:
         if len(t) == 0:
             raise ConfigError(spec.source, "traces", f"trace {t.name} has no requests")

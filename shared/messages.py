@@ -56,6 +56,32 @@ class CancelAssigned(Msg, frozen=True, kw_only=True):
     reason: str = "client_disconnected"
 
 
+class LeaseGranted(Msg, frozen=True, kw_only=True):
+    """Sent to both the driver (home) and the guest worker: ``tenant`` may run ``segments`` on ``guest_device``
+    until ``end_ts``, taking at most ``share`` of the guest's time while its own tenant has work. The guest stages
+    missing segment weights itself (from the tenant's checkpoint or seed); until it is ready, and whenever a
+    remote segment fails or times out, the driver runs the segment locally."""
+
+    lease_id: str
+    tenant: str
+    home_device: str
+    guest_device: str
+    segments: list[str]
+    start_ts: float
+    end_ts: float
+    share: float = 1.0
+    memory_bytes: int = 0
+    mode: str = "segments"
+
+
+class LeaseRevoked(Msg, frozen=True, kw_only=True):
+    lease_id: str
+    tenant: str
+    home_device: str
+    guest_device: str
+    reason: str = ""
+
+
 # ---------------------------------------------------------------- workers -> gateway (tokens:{gateway})
 class TokenChunk(Msg, frozen=True, kw_only=True):
     request_id: str
@@ -153,7 +179,7 @@ class DeviceDown(Msg, frozen=True, kw_only=True):
 
 # ---------------------------------------------------------------- unions per stream
 RequestsMsg = Union[InferenceRequest, CancelRequest]
-WorkerMsg = Union[AssignRequest, CancelAssigned]
+WorkerMsg = Union[AssignRequest, CancelAssigned, LeaseGranted, LeaseRevoked]
 TokensMsg = Union[TokenChunk, RequestError]
 EventsMsg = Union[WorkerHeartbeat, StepReport, RequestStarted, RequestFinished, DeviceDown]
 

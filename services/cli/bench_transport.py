@@ -144,10 +144,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("command line", "--iters", "iters and threads must be positive, warmup non-negative")
     torch.set_num_threads(args.threads)
     command = (f"slicesched bench transport --backends {','.join(backends)} --sizes {args.sizes} "
-               f"--iters {args.iters} --warmup {args.warmup} --threads {args.threads}" + (f" --json {args.json_out}" if args.json_out else ""))
+               f"--iters {args.iters} --warmup {args.warmup} --threads {args.threads}")
+    if args.json_out:
+        command += f" --json {args.json_out}"
     result = {"benchmark": "transport", "command": command,
               "machine": _machine(), "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
-              "iters": args.iters, "warmup": args.warmup,
+              "iters": args.iters, "warmup": args.warmup, "load_average_1m_at_start": os.getloadavg()[0],
               "method": "latency = sender send() + receiver recv() into a preallocated tensor, receiver in another "
                         "process on this host; handle delivery between them not counted; GB/s = bytes / p50",
               "results": {}}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hmac
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import msgspec
@@ -111,7 +111,6 @@ class ParsedRequest:
     include_usage: bool = False
     user: str | None = None
     ignore_eos: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def check_content_type(content_type_header: str | None) -> None:
@@ -363,6 +362,17 @@ def check_context(prompt_len: int, max_tokens: int, context: int, *, chat: bool,
         raise bad_request(f"this model's maximum context length is {context} tokens; the request has {prompt_len} "
                           f"prompt tokens and asks for {max_tokens} completion tokens",
                           "messages" if chat else "prompt", code="context_length_exceeded")
+
+
+def render_prompt(tokenizer: Any, p: ParsedRequest) -> str:
+    """The prompt text: the completion prompt, or the chat messages through the model's chat template."""
+    if not p.chat:
+        return p.prompt_text or ""
+    try:
+        return tokenizer.apply_chat_template([dict(m) for m in p.messages])
+    except Exception as e:  # a checkpoint's Jinja template may reject a conversation (e.g. roles must alternate)
+        raise bad_request(f"the messages cannot be rendered with the model's chat template: {str(e)[:200]}",
+                          "messages") from None
 
 
 def check_token_ids(ids: tuple[int, ...], vocab_size: int) -> None:

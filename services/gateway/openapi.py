@@ -153,7 +153,7 @@ def _generate_op(summary: str, req: str, resp: str) -> dict:
 
 
 def openapi_document() -> dict[str, Any]:
-    """The whole document (a fresh dict each call)."""
+    """The whole document (the component schemas are shared module-level dicts: do not mutate)."""
     return {
         "openapi": "3.1.0",
         "info": {"title": "SliceScheduler gateway", "version": "0.1.0",

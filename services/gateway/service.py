@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.admission import Admission, overloaded
 from services.gateway.core import (ApiError, GatewayLimits, KeyIndex, ParsedRequest, check_content_type,
-                                   check_context, check_token_ids, decode_json, parse_request)
+                                   check_context, check_token_ids, decode_json, parse_request, render_prompt)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.responses import http_error
@@ -33,6 +33,7 @@ from shared.streams import StreamProducer
 log = structlog.get_logger()
 
 REDIS_RETRY_AFTER_S = 2
+INLINE_TOKENIZE_CHARS = 32 * 1024
 REDIS_FAST_FAIL_S = 1.0  # after a failed XADD, answer 503 at once for this long instead of waiting on Redis again
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 400: "invalid_request",
                415: "unsupported_media_type", 411: "length_required", 408: "request_timeout"}
@@ -60,6 +61,7 @@ class GatewayService:
                                   stream=tokens_stream(settings.prefix, self.gateway_id))
         self.tokenizers = {t.name: load_tokenizer(t.model.checkpoint, t.model.config) for t in tenants.tenants}
         self.draining = False
+        self._loops_stop = asyncio.Event()  # the tokens loops outlive the signal flag: they serve the drain
         self.started_ts = int(time.time())
         self._redis_failed_at = -1e9
         self._openapi = openapi_document()
@@ -89,8 +91,8 @@ class GatewayService:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.shell.port = self.port
-        self._tasks = [asyncio.create_task(self.router.run(self.shell.stop), name="tokens_read"),
-                       asyncio.create_task(self.router.housekeeping_loop(self.shell.stop), name="tokens_housekeeping"),
+        self._tasks = [asyncio.create_task(self.router.run(self._loops_stop), name="tokens_read"),
+                       asyncio.create_task(self.router.housekeeping_loop(self._loops_stop), name="tokens_housekeeping"),
                        asyncio.create_task(self.shell.heartbeat_loop(self._health_extra), name="heartbeat")]
         self.shell.ready = True
         log.info("gateway_listening", host=self.host, port=self.port, gateway=self.gateway_id,
@@ -107,6 +109,7 @@ class GatewayService:
             log.warning("gateway_drain_timeout", inflight=self.admission.total_inflight)
         if self._runner is not None:
             await self._runner.cleanup()
+        self._loops_stop.set()
         self.shell.stop.set()
         try:  # wake the tokens XREAD (it blocks up to a second) by closing its connection
             await asyncio.wait_for(self.blocking.connection_pool.disconnect(), timeout=1.0)
@@ -142,7 +145,8 @@ class GatewayService:
             except web.HTTPException as e:  # routing and body-size errors raised by aiohttp itself
                 if e.status < 400:
                     raise
-                err = http_error(e.status, e.reason or "error", _HTTP_CODES.get(e.status, "http_error"))
+                err = http_error(e.status, f"{e.reason or 'error'}: {request.method} {request.path[:200]}",
+                                 _HTTP_CODES.get(e.status, "http_error"))
                 resp = self._error_response(request, err)
                 if "Allow" in e.headers:
                     resp.headers["Allow"] = e.headers["Allow"]
@@ -205,14 +209,17 @@ class GatewayService:
                              "request_too_large")
         return decode_json(await request.read())
 
-    def _prompt_ids(self, tenant: TenantConfig, p: ParsedRequest) -> list[int]:
+    async def _prompt_ids(self, tenant: TenantConfig, p: ParsedRequest) -> list[int]:
         tok = self.tokenizers[tenant.name]
         if p.prompt_ids is not None:
             check_token_ids(p.prompt_ids, tenant.model.config.vocab_size)
             ids = list(p.prompt_ids)
         else:
-            text = tok.apply_chat_template(list(p.messages)) if p.chat else (p.prompt_text or "")
-            ids = tok.encode(text)
+            text = render_prompt(tok, p)
+            if len(text) > INLINE_TOKENIZE_CHARS:  # keep the event loop responsive for long prompts
+                ids = await asyncio.get_running_loop().run_in_executor(None, tok.encode, text)
+            else:
+                ids = tok.encode(text)
         bos = tok.bos_token_id
         return [bos, *ids] if bos is not None else ids
 
@@ -222,7 +229,7 @@ class GatewayService:
         tenant = self._auth(request)
         parsed = parse_request(await self._read_json(request), chat=chat)
         tenant = self.keys.resolve_model(tenant, parsed.model)
-        prompt_ids = self._prompt_ids(tenant, parsed)
+        prompt_ids = await self._prompt_ids(tenant, parsed)
         check_context(len(prompt_ids), parsed.max_tokens, tenant.model.config.max_position_embeddings, chat=chat,
                       max_tokens_param=parsed.max_tokens_param)
         if self.draining:
@@ -244,6 +251,8 @@ class GatewayService:
             except (asyncio.TimeoutError, *REDIS_ERRORS) as e:
                 self._redis_failed_at = time.monotonic()
                 log.warning("request_enqueue_failed", error=repr(e))
+                if isinstance(e, asyncio.TimeoutError):  # a stalled XADD may still land: best-effort withdrawal
+                    self._send_cancel(rid, tenant.name, "enqueue_failed")
                 self.admission.release(ticket, refund=True)
                 raise overloaded("the request queue (Redis) is unreachable", "redis_unavailable",
                                  REDIS_RETRY_AFTER_S) from None

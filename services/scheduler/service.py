@@ -19,6 +19,9 @@ from shared.requests_state import TERMINAL_STATES, TERMINAL_TTL_S, assigned_key,
 from shared.service import ServiceShell, run_tasks
 from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.scheduler.core import DeviceView, Pending, SchedulerCore
+from services.scheduler.live import LeaseManager, SnapshotBuilder
+from shared.gmg.keys import GMGKeys
+from shared.policies import Trigger
 
 log = structlog.get_logger()
 
@@ -49,6 +52,16 @@ class SchedulerService:
                                   registry=reg)
         self.m_failed = Counter("slicesched_scheduler_failed_total", "Requests failed by the scheduler",
                                 ["tenant", "code"], registry=reg)
+        self.m_leases = Counter("slicesched_leases_total", "Lease events", ["event"], registry=reg)
+        self.snapshots = SnapshotBuilder(cluster, tenants, self.core)
+        self.lease_mgr = LeaseManager(self.p, self.gmg, self.producer, tenants)
+        self.rows: dict[str, dict[str, str]] = {}
+        self.whatif = None
+        if getattr(policy, "tick_s", None) or getattr(policy, "wants_arrival", False):
+            from shared.sim.whatif import WhatIf
+
+            self.whatif = WhatIf.for_cluster(cluster)
+        self._arrivals: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> None:
@@ -64,7 +77,7 @@ class SchedulerService:
         log.info("scheduler_ready", policy=getattr(self.core.policy, "registry_name", "?"))
         try:
             await run_tasks(self.shell, req_consumer.run(self.shell.stop), req_consumer.reclaim_loop(self.shell.stop),
-                            ev_consumer.run(self.shell.stop), self._placement_loop(), self._device_loop(),
+                            ev_consumer.run(self.shell.stop), self._placement_loop(), self._device_loop(), self._policy_loop(),
                             self.shell.heartbeat_loop())
         finally:
             await self.shell.close_http()
@@ -169,9 +182,14 @@ class SchedulerService:
                     break  # head of line waits for memory; FIFO per tenant
             self.m_queue.labels(tenant).set(self.core.queues.depth(tenant))
 
+    def snapshot(self):
+        return self.snapshots.build(time.time(), self.devices, self.rows, self.assigned, self.lease_mgr.active)
+
     async def _place(self, p: Pending) -> bool:
         t0 = time.perf_counter()
-        for dev in self.core.candidates(p.req.tenant, self.devices, p.kv_bytes):
+        snap = self.snapshot()
+        dev = self.core.policy.route(p.req.tenant, len(p.req.prompt_ids), p.req.max_tokens, snap)
+        for dev in ([dev] if dev is not None and dev in self.devices and self.devices[dev].up else []):
             view = self.devices[dev]
             res = await self.gmg.reserve([Reservation(dev, f"kv:{p.req.request_id}", "kv", p.req.tenant, p.kv_bytes)])
             if isinstance(res, Refused):
@@ -195,9 +213,47 @@ class SchedulerService:
             await self.redis.xack(requests_stream(self.p), GROUP_SCHEDULER, p.entry_id)
             self.m_decision.observe(time.perf_counter() - t0)
             self.m_admitted.labels(p.req.tenant, dev).inc()
+            self._arrivals.add(dev)
+            self.snapshots.rates[p.req.tenant].observe(time.time(), len(p.req.prompt_ids), p.req.max_tokens)
             log.debug("request_placed", tenant=p.req.tenant, request_id=rid, device=dev)
             return True
         return False
+
+    # ------------------------------------------------------------ leases (policies with decide())
+    async def _policy_loop(self) -> None:
+        """Ticks and arrival triggers of the policy's ``decide``; leases committed through the GMG."""
+        if self.whatif is None:
+            return
+        tick = getattr(self.core.policy, "tick_s", None) or 0.2
+        last_tick = 0.0
+        while not self.shell.stop.is_set():
+            try:
+                await asyncio.wait_for(self.shell.stop.wait(), timeout=min(0.05, tick))
+            except asyncio.TimeoutError:
+                pass
+            try:
+                now = time.time()
+                for st in await self.lease_mgr.expire(now):
+                    self.m_leases.labels("expired").inc()
+                triggers = [Trigger("arrival", device=d, tenant=self.snapshots.home_of.get(d))
+                            for d in sorted(self._arrivals)] if self.core.policy.wants_arrival else []
+                self._arrivals.clear()
+                if now - last_tick >= tick:
+                    triggers.append(Trigger("tick"))
+                    last_tick = now
+                for trig in triggers:
+                    t0 = time.perf_counter()
+                    actions = self.core.policy.decide(trig, self.snapshot(), self.whatif)
+                    if actions:
+                        before = (self.lease_mgr.granted, self.lease_mgr.revoked)
+                        await self.lease_mgr.apply(actions, time.time())
+                        self.m_leases.labels("granted").inc(self.lease_mgr.granted - before[0])
+                        self.m_leases.labels("revoked").inc(self.lease_mgr.revoked - before[1])
+                        self.m_decision.observe(time.perf_counter() - t0)
+            except REDIS_ERRORS as e:
+                log.warning("policy_redis_error", error=repr(e))
+            except Exception:
+                log.exception("policy_decision_failed")
 
     # ------------------------------------------------------------ events stream
     async def _on_event(self, d: Delivery) -> str:
@@ -243,6 +299,13 @@ class SchedulerService:
 
     async def _refresh_devices(self) -> None:
         rows = await self.gmg.devices()
+        keys = GMGKeys(self.p)
+        pipe = self.redis.pipeline(transaction=False)
+        for did in rows:
+            pipe.hkeys(keys.resident(did))
+        for did, res in zip(list(rows), await pipe.execute()):
+            rows[did]["resident"] = ",".join(r.decode() if isinstance(r, bytes) else r for r in res)
+        self.rows = rows
         now = time.time()
         for did, h in rows.items():
             hb = float(h.get("heartbeat_ts") or 0)

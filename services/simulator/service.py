@@ -1,63 +1,210 @@
-"""Simulator service shell: follows the GMG into a twin of the live cluster."""
+"""Simulator service shell: follows the GMG into a twin, reads arrivals from the requests stream and measured
+segment times from the events stream (group ``simulator``), publishes forecasts, rates and corrections, and answers
+what-if RPCs (``sim:rpc``, group ``simulator``; replies on ``sim:reply:{client}``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
+from shared.codec import DecodeError, decode
 from shared.config import ClusterConfig, Settings, TenantsConfig
 from shared.gmg.follower import GMGFollower
+from shared.messages import (GROUP_SIMULATOR, EventsMsg, InferenceRequest, RequestsMsg, SimRpcMsg, WhatIfReply,
+                             dead_stream, events_stream, requests_stream, sim_corrections_key, sim_forecast_key,
+                             sim_rates_key, sim_reply_stream, sim_rpc_stream)
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
 from shared.service import ServiceShell, run_tasks
+from shared.streams import ACK, Delivery, StreamConsumer, StreamProducer, entry_payload
+from services.simulator.core import SimulatorCore
+from services.simulator.evaluate import TwinView
+from services.simulator.forecast import forecast_device
 
 log = structlog.get_logger()
 
+REPLY_MAXLEN = 1000
+FORECAST_TTL_S = 10
+
 
 class SimulatorService:
-    def __init__(self, settings: Settings, cluster: ClusterConfig, tenants: TenantsConfig,
-                 name: str = "simulator") -> None:
+    """The twin, forecasts and what-if answers of the live mesh."""
+
+    def __init__(self, settings: Settings, cluster: ClusterConfig, tenants: TenantsConfig, name: str = "simulator",
+                 *, refresh_interval_s: float = 0.25, publish_interval_s: float = 0.5) -> None:
         self.s, self.cluster, self.tenants, self.name = settings, cluster, tenants, name
         self.p = settings.prefix
         self.redis = command_client(settings.redis_url, name=f"{name}-cmd")
-        self.blocking = blocking_client(settings.redis_url, block_ms=1000, name=f"{name}-gmg")
-        self.follower = GMGFollower(self.redis, self.p, blocking=self.blocking, block_ms=1000)
+        self._blocking = [blocking_client(settings.redis_url, block_ms=1000, name=f"{name}-{x}")
+                          for x in ("gmg", "req", "ev", "rpc")]
+        self.follower = GMGFollower(self.redis, self.p, blocking=self._blocking[0], block_ms=1000)
+        self.core = SimulatorCore(cluster, tenants)
+        self.producer = StreamProducer(self.redis)
         self.shell = ServiceShell("simulator", name, prefix=self.p, redis=self.redis)
-        self.m_epoch = Gauge("slicesched_sim_twin_epoch", "GMG epoch of the simulator's twin",
-                             registry=self.shell.registry)
+        self.refresh_interval_s, self.publish_interval_s = refresh_interval_s, publish_interval_s
+        self.events = StreamConsumer(cmd=self.redis, blocking=self._blocking[2], stream=events_stream(self.p),
+                                     group=GROUP_SIMULATOR, consumer=name, types=EventsMsg, handler=self._on_event,
+                                     dead_stream=dead_stream(self.p), min_idle_ms=30_000)
+        self.rpc = StreamConsumer(cmd=self.redis, blocking=self._blocking[3], stream=sim_rpc_stream(self.p),
+                                  group=GROUP_SIMULATOR, consumer=name, types=SimRpcMsg, handler=self._on_query,
+                                  dead_stream=dead_stream(self.p), min_idle_ms=5_000, block_ms=1000)
+        reg = self.shell.registry
+        self.m_epoch = Gauge("slicesched_sim_twin_epoch", "GMG epoch of the simulator's twin", registry=reg)
+        self.m_error = Gauge("slicesched_sim_prediction_error",
+                             "EWMA of |measured - predicted| / measured segment time after correction (simulated)",
+                             ["device", "op"], registry=reg)
+        self.m_factor = Gauge("slicesched_sim_correction_factor", "Online correction factor (measured / model)",
+                              ["device", "op"], registry=reg)
+        self.m_queries = Counter("slicesched_sim_whatif_total", "What-if queries", ["result"], registry=reg)
+        self.m_compute = Histogram("slicesched_sim_whatif_compute_seconds", "What-if evaluation time per query",
+                                   registry=reg, buckets=(.0002, .0005, .001, .002, .005, .01, .05))
 
-    async def run(self) -> None:
+    # ------------------------------------------------------------ lifecycle
+    async def run(self, *, serve_http: bool = True) -> None:
         self.shell.install_signal_handlers()
-        await self.shell.serve_http("127.0.0.1" if self.s.gateway_host == "127.0.0.1" else "0.0.0.0",
-                                    self.s.metrics_port)
-        log.info("metrics_listening", port=self.shell.port)
+        if serve_http:
+            await self.shell.serve_http("127.0.0.1" if self.s.gateway_host == "127.0.0.1" else "0.0.0.0",
+                                        self.s.metrics_port)
+            log.info("metrics_listening", port=self.shell.port)
         hb = asyncio.ensure_future(self.shell.heartbeat_loop())
         try:
-            await self._load()
+            await self.start()
             self.shell.ready = True
-            log.info("simulator_ready", epoch=self.follower.epoch)
-            await run_tasks(self.shell, self.follower.run(self.shell.stop), self._gauge_loop())
+            log.info("simulator_ready", epoch=self.follower.epoch, devices=len(self.cluster.devices))
+            await run_tasks(self.shell, self.follower.run(self.shell.stop), self._requests_loop(),
+                            self.events.run(self.shell.stop), self.events.reclaim_loop(self.shell.stop),
+                            self.rpc.run(self.shell.stop), self.rpc.reclaim_loop(self.shell.stop),
+                            self._refresh_loop(), self._publish_loop())
         finally:
             self.shell.stop.set()
             await asyncio.gather(hb, return_exceptions=True)
             await self.shell.close_http()
-            await close_quietly(self.redis, self.blocking)
+            await close_quietly(self.redis, *self._blocking)
 
-    async def _load(self) -> None:
+    async def start(self) -> None:
+        """Load the twin (retrying until Redis answers) and compute the first forecasts."""
         delay = 0.1
         while not self.shell.stop.is_set():
             try:
                 await self.follower.load()
+                await self._read_recent_requests()
+                await self.refresh()
                 return
             except REDIS_ERRORS as e:
                 log.warning("redis_unavailable", error=repr(e))
                 await asyncio.sleep(delay)
                 delay = min(2.0, delay * 2)
 
-    async def _gauge_loop(self) -> None:
+    # ------------------------------------------------------------ twin
+    async def refresh(self) -> TwinView:
+        """Rebuild the twin's work and forecasts, one device at a time so what-if answers are not held up."""
+        now = time.time()
+        snap = self.follower.snapshot
+        works = self.core.twin.device_work(snap, now)
+        await asyncio.sleep(0)
+        forecasts = {}
+        for d, w in works.items():
+            forecasts[d] = forecast_device(w, self.core.horizon_s)
+            await asyncio.sleep(0)
+        self.core.view, self.core.view_ts = TwinView(snap.epoch, snap, works, forecasts, self.core.horizon_s), now
+        self.m_epoch.set(snap.epoch)
+        return self.core.view
+
+    async def _refresh_loop(self) -> None:
         while not self.shell.stop.is_set():
-            self.m_epoch.set(self.follower.epoch)
             try:
-                await asyncio.wait_for(self.shell.stop.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
+                await self.refresh()
+            except Exception:  # a bad twin state must not stop answering with the previous view
+                log.exception("sim_refresh_failed")
+            await _sleep(self.shell.stop, self.refresh_interval_s)
+
+    async def publish(self) -> None:
+        """Write forecasts, rates and corrections (plain hashes, see docs/redis-schema.md)."""
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        for d, fields in self.core.forecast_fields(now).items():
+            key = sim_forecast_key(self.p, d)
+            pipe.delete(key)
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, FORECAST_TTL_S)
+        pipe.hset(sim_rates_key(self.p), mapping=self.core.rates_fields(now))
+        corr = self.core.corrections_fields()
+        if corr:
+            pipe.hset(sim_corrections_key(self.p), mapping=corr)
+        await pipe.execute()
+
+    async def _publish_loop(self) -> None:
+        while not self.shell.stop.is_set():
+            try:
+                await self.publish()
+            except REDIS_ERRORS as e:
+                log.warning("sim_publish_error", error=repr(e))
+            await _sleep(self.shell.stop, self.publish_interval_s)
+
+    # ------------------------------------------------------------ inputs
+    async def _read_recent_requests(self) -> None:
+        """Arrivals of the last rate window (so rates survive a restart)."""
+        start = int((time.time() - self.core.twin.rates.window_s) * 1000)
+        self._req_pos = f"{start}-0"
+        while True:
+            resp = await self.redis.xread({requests_stream(self.p): self._req_pos}, count=1000)
+            n = self._take_requests(resp)
+            if n < 1000:
+                return
+
+    def _take_requests(self, resp) -> int:
+        n = 0
+        for _stream, entries in resp or []:
+            for entry_id, fields in entries:
+                n += 1
+                self._req_pos = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                raw = entry_payload(fields)
+                try:
+                    msg = decode(raw, RequestsMsg) if raw is not None else None
+                except DecodeError:
+                    continue  # the scheduler dead-letters it; we only lose one arrival sample
+                if isinstance(msg, InferenceRequest):
+                    self.core.on_request(msg)
+        return n
+
+    async def _requests_loop(self) -> None:
+        """Follow the requests stream without a group (read-only: never holds back the scheduler's trimming)."""
+        client = self._blocking[1]
+        while not self.shell.stop.is_set():
+            try:
+                resp = await client.xread({requests_stream(self.p): self._req_pos}, count=500, block=1000)
+                self._take_requests(resp)
+            except REDIS_ERRORS as e:
+                log.warning("sim_requests_read_error", error=repr(e))
+                await _sleep(self.shell.stop, 0.5)
+
+    async def _on_event(self, d: Delivery) -> str:
+        for device, op, err in self.core.on_event(d.msg):
+            self.m_error.labels(device, op).set(err)
+            self.m_factor.labels(device, op).set(self.core.corrections.factor(device, op))
+        return ACK
+
+    async def _on_query(self, d: Delivery) -> str:
+        q = d.msg
+        now = time.time()
+        if q.deadline_ts and now > q.deadline_ts:
+            self.m_queries.labels("expired").inc()
+            return ACK  # the client has given up on it
+        try:
+            reply = self.core.answer(q, now)
+        except Exception as e:  # one bad query gets an error reply, never kills the service
+            log.exception("whatif_failed", query_id=q.query_id)
+            reply = WhatIfReply(msg_id=q.msg_id, query_id=q.query_id, epoch=self.follower.epoch,
+                                error=f"internal_error: {e!r}"[:500])
+        self.m_compute.observe(reply.compute_ms / 1e3)
+        self.m_queries.labels("error" if reply.error else "ok").inc()
+        await self.producer.add(sim_reply_stream(self.p, q.client), reply, maxlen=REPLY_MAXLEN)
+        return ACK
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass

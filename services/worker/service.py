@@ -13,9 +13,9 @@ from prometheus_client import Counter, Gauge
 
 from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig
 from shared.gmg import GMGStore, Refused, Reservation
-from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, RequestError, RequestFinished,
-                             RequestStarted, WorkerHeartbeat, WorkerMsg, dead_stream, events_stream, tokens_stream,
-                             worker_stream)
+from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, LeaseGranted, LeaseRevoked, RequestError,
+                             RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg, dead_stream, events_stream,
+                             tokens_stream, worker_stream)
 from shared.model.engine import Engine, SamplingParams
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
 from shared.requests_state import TERMINAL_STATES, req_key
@@ -50,6 +50,7 @@ class WorkerService:
         self.consumer = StreamConsumer(cmd=self.redis, blocking=self.blocking, stream=worker_stream(self.p, device.id),
                                        group=GROUP_WORKER, consumer=device.id, types=WorkerMsg, handler=self._on_msg,
                                        dead_stream=dead_stream(self.p), min_idle_ms=60_000)
+        self.lease_agent = None  # guest execution (services/worker/leases.py) when the backend supports it
         self._busy_s = 0.0
         self._busy_mark = time.monotonic()
         reg = self.shell.registry
@@ -112,6 +113,12 @@ class WorkerService:
             await self.redis.hset(req_key(self.p, rid), mapping={"state": "running", "running_ts": time.time(),
                                                                  "worker_id": self.worker_id})
             return DEFER  # acked when the request ends
+        if isinstance(msg, (LeaseGranted, LeaseRevoked)):
+            if self.lease_agent is not None:
+                await self.lease_agent.on_message(msg)
+            else:
+                log.info("lease_ignored", lease_id=msg.lease_id, reason="no guest execution on this backend")
+            return ACK
         if isinstance(msg, CancelAssigned):
             if msg.request_id in self.tracker.items:
                 self.pending_ops.append(("cancel", msg))

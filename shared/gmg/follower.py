@@ -101,6 +101,8 @@ class GMGFollower:
         self.reloads = 0
         self.applied = 0
         self._snap: GMGSnapshot | None = None
+        self._parsed: dict = {}  # key -> parsed value, reused by the next snapshot when the key did not change
+        self._dirty: set[str] | None = None  # keys changed since the last snapshot; None = parse everything
 
     @property
     def loaded(self) -> bool:
@@ -110,13 +112,15 @@ class GMGFollower:
         """Replace the local copy with a fresh snapshot from Redis."""
         self.mirror, self.epoch, self.position = await read_mirror(self.redis, self.keys)
         self.reloads += 1
-        self._snap = None
+        self._snap, self._dirty = None, None
 
     @property
     def snapshot(self) -> GMGSnapshot:
         """Typed view of the local copy (rebuilt only when the epoch moved)."""
         if self._snap is None or self._snap.epoch != self.epoch:
-            self._snap = GMGSnapshot.from_mirror(self.keys, self.mirror, self.epoch)
+            self._snap = GMGSnapshot.from_mirror(self.keys, self.mirror, self.epoch, cache=self._parsed,
+                                                 dirty=self._dirty)
+            self._dirty = set()
         return self._snap
 
     def apply_entry(self, entry_id: str, fields: dict) -> bool:
@@ -130,6 +134,8 @@ class GMGFollower:
             return False
         for cmd, key, args in muts:
             apply_mutation(self.mirror, cmd, key, args)
+            if self._dirty is not None:
+                self._dirty.add(key)
         self.epoch = epoch
         self.applied += 1
         if self.on_change is not None:

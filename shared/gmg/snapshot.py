@@ -111,29 +111,32 @@ class GMGSnapshot:
     graph_blobs: dict[str, bytes] = field(default_factory=dict, compare=False)  # tenant -> msgpack ModelGraph
 
     @classmethod
-    def from_mirror(cls, keys: GMGKeys, mirror: dict[str, Any], epoch: int) -> "GMGSnapshot":
-        """Build the typed view of a mirror (key -> hash dict / set / zset dict / bytes)."""
+    def from_mirror(cls, keys: GMGKeys, mirror: dict[str, Any], epoch: int, *, cache: dict | None = None,
+                    dirty: set[str] | None = None) -> "GMGSnapshot":
+        """Build the typed view of a mirror (key -> hash dict / set / zset dict / bytes).
+
+        With ``cache`` (key -> parsed value, kept by the caller between calls) and ``dirty`` (keys changed since
+        the previous call), only changed keys are parsed again; ``dirty=None`` parses everything.
+        """
+        cache = {} if cache is None else cache
+        if dirty is None:
+            cache.clear()
+        else:
+            for k in dirty:
+                cache.pop(k, None)
         devs, tens, res, resident, pins, leases, ex, reqs, busy, graphs = ({} for _ in range(10))
+        out = {"device": devs, "tenant": tens, "reservations": res, "resident": resident, "pins": pins,
+               "lease": leases, "exec": ex, "reqs": reqs, "busy": busy, "model": graphs}
         for key, v in mirror.items():
-            kind, ident = keys.parse(key)
-            if kind == "device":
-                devs[ident] = DeviceState.from_hash(v)
-            elif kind == "tenant":
-                tens[ident] = TenantState.from_hash(v)
-            elif kind == "reservations":
-                res[ident] = {o: _reservation(ident, o, x) for o, x in v.items()}
-            elif kind in ("resident", "pins"):
-                (resident if kind == "resident" else pins)[ident] = {tuple(f.split("|", 1)): _i(x) for f, x in v.items()}
-            elif kind == "lease" and v.get("state") == "active":
-                leases[ident] = Lease.from_fields(v)
-            elif kind == "exec":
-                ex[ident] = dict(v)
-            elif kind == "reqs":
-                reqs[ident] = {r: _running(r, x) for r, x in v.items()}
-            elif kind == "busy":
-                busy[ident] = sorted((_f(m.split(":")[0]), _f(m.split(":")[1])) for m in v)
-            elif kind == "model":
-                graphs[ident] = v
+            hit = cache.get(key)
+            if hit is None:
+                hit = cache[key] = _parse(keys, key, v)
+            kind, ident, parsed = hit
+            if parsed is not None and kind in out:
+                out[kind][ident] = parsed
+        if len(cache) > len(mirror):
+            for k in [k for k in cache if k not in mirror]:
+                del cache[k]
         return cls(epoch, devs, tens, res, resident, pins, leases, ex, reqs, busy, graphs)
 
     # ------------------------------------------------------------ queries
@@ -162,6 +165,30 @@ class GMGSnapshot:
         from shared.model.graph import ModelGraph
 
         return {t: ModelGraph.from_dict(msgspec.msgpack.decode(b)) for t, b in self.graph_blobs.items()}
+
+
+def _parse(keys: GMGKeys, key: str, v: Any) -> tuple[str, str, Any]:
+    """(kind, id, typed value) of one mirrored key; value None for keys the snapshot does not expose."""
+    kind, ident = keys.parse(key)
+    if kind == "device":
+        return kind, ident, DeviceState.from_hash(v)
+    if kind == "tenant":
+        return kind, ident, TenantState.from_hash(v)
+    if kind == "reservations":
+        return kind, ident, {o: _reservation(ident, o, x) for o, x in v.items()}
+    if kind in ("resident", "pins"):
+        return kind, ident, {tuple(f.split("|", 1)): _i(x) for f, x in v.items()}
+    if kind == "lease":
+        return kind, ident, Lease.from_fields(v) if v.get("state") == "active" else None
+    if kind == "exec":
+        return kind, ident, dict(v)
+    if kind == "reqs":
+        return kind, ident, {r: _running(r, x) for r, x in v.items()}
+    if kind == "busy":
+        return kind, ident, sorted((_f(m.split(":")[0]), _f(m.split(":")[1])) for m in v)
+    if kind == "model":
+        return kind, ident, v
+    return kind, ident, None
 
 
 def _reservation(device: str, owner: str, v: str) -> Reservation:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Protocol
 
-import structlog
 import torch
 
 from shared.model.batch import BatchContext, SeqChunk, build_context
@@ -23,7 +22,6 @@ from shared.model.llama import LlamaModel
 from shared.model.sampling import make_generator, sample_row, validate_params
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
-log = structlog.get_logger(__name__)
 
 
 @dataclass

@@ -43,7 +43,12 @@ class SimDevice:
 
     # ---------------------------------------------------------------- guest shares
     def guest_share(self) -> float:
+        """Share of this device's time taken by active leases (slows its own engines)."""
         return sum(lease.share for lease in self.hosted if lease.state == ACTIVE)
+
+    def committed_share(self) -> float:
+        """Share promised to leases, staging ones included (what a new grant must fit beside)."""
+        return sum(lease.share for lease in self.hosted)
 
     def share_for(self, lease: SimLease) -> float:
         """Fraction of this device's time ``lease`` gets now: its share while the home is busy, otherwise all

@@ -79,7 +79,7 @@ class LeaseBook:
         eng = sim.engine_of(home, a.tenant)
         if eng is None or not a.segments:
             return self._refuse("no_engine") or None
-        if a.share <= 0 or guest.guest_share() + a.share > 0.95:
+        if a.share <= 0 or guest.committed_share() + a.share > 0.95:
             return self._refuse("share") or None
         taken = {s for lease in self.leases.values() if lease.engine is eng for s in lease.segments}
         for s in a.segments:
@@ -93,9 +93,14 @@ class LeaseBook:
         new_bytes = len(new) * seg_bytes
         m = sim.cfg.micro_batches
         act = 2 * m * -(-sim.cfg.max_batched_tokens // m) * gcost.hidden_bytes_per_token
+        reused = [s for s in a.segments if (a.tenant, s) in mem.staged]
+        for s in reused:  # pin first so that making room cannot evict what this lease reuses
+            mem.stage(a.tenant, s, seg_bytes, now)
         if not mem.make_room(new_bytes + act, now):
+            for s in reused:
+                mem.unpin(a.tenant, s, now)
             return self._refuse("memory") or None
-        for s in a.segments:
+        for s in new:
             mem.stage(a.tenant, s, seg_bytes, now)
         mem.alloc("activations", act, now)
         link_kind = sim.snapshot.link_kind(home.id, guest.id)
@@ -112,6 +117,8 @@ class LeaseBook:
                          a.share, now, now + a.duration_s, act)
         lease.staged_new_bytes = new_bytes
         self.leases[lid] = lease
+        guest.hosted.append(lease)
+        guest.state.guest_share = guest.committed_share()
         self.stats["granted"] += 1
         self.stats["staged_bytes"] += new_bytes
         sim.snapshot.leases[lid] = LeaseState(lid, a.tenant, home.id, guest.id, tuple(a.segments), now, lease.end,
@@ -130,9 +137,7 @@ class LeaseBook:
         lease.active_from = sim.now
         lease.engine.offload.append(lease)
         guest = lease.guest_dev
-        guest.hosted.append(lease)
         sim.snapshot.leases[lease.lid].state = ACTIVE
-        guest.state.guest_share = guest.guest_share()
         guest.update_slowdown(sim.now)
         sim.wake(lease.engine.device)
         sim.refresh(guest)
@@ -154,7 +159,7 @@ class LeaseBook:
         del self.leases[lease.lid]
         self.finished.append(lease)
         sim.snapshot.leases.pop(lease.lid, None)
-        guest.state.guest_share = guest.guest_share()
+        guest.state.guest_share = guest.committed_share()
         if was_active:
             guest.update_slowdown(now)
             sim.wake(lease.engine.device)

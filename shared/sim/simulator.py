@@ -8,6 +8,7 @@ staging done (the weight transfer over its link), lease end/revoke, reassignment
 from __future__ import annotations
 
 import heapq
+from collections import deque
 import math
 import random
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from shared.sim.request import FAILED, REJECTED, SimRequest
 from shared.workload import Workload
 
 STEP, TICK, STAGE_DONE, LEASE_END, RELOAD_DONE = 0, 1, 2, 3, 4
+RATE_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class Simulator:
         self._fresh: set[str] = set()
         self.leases = LeaseBook(self)
         self.whatif = None
+        self._arrivals: dict[str, deque] = {}
+        self._max_queue = {t.name: t.max_queue for t in tenants.tenants}
 
     # ---------------------------------------------------------------- ids and events
     def next_id(self, prefix: str) -> str:
@@ -217,7 +221,8 @@ class Simulator:
         if ts is None:
             raise ValueError(f"workload request {wr.request_id} names unknown tenant {wr.tenant!r}")
         ts.queued += 1
-        if ts.queued > self.tenants_cfg.get(req.tenant).max_queue:
+        self._observe_arrival(ts, req)
+        if ts.queued > self._max_queue[req.tenant]:
             self._reject(req, ts)
             return
         self.snapshot.now = self.now
@@ -246,6 +251,19 @@ class Simulator:
         self.refresh(dev)
         if self.policy.wants_arrival:
             self.leases.apply(self.policy.decide(Trigger("arrival", req.tenant, did), self.snapshot, self.whatif))
+
+    def _observe_arrival(self, ts: TenantState, req: SimRequest) -> None:
+        """Recent arrival rate (sliding window) and EWMA lengths, as the live scheduler would measure them."""
+        win = self._arrivals.setdefault(ts.name, deque())
+        win.append(self.now)
+        while win[0] < self.now - RATE_WINDOW_S:
+            win.popleft()
+        ts.rate_rps = len(win) / max(1.0, min(RATE_WINDOW_S, self.now))
+        if ts.mean_input == 0.0:
+            ts.mean_input, ts.mean_output = float(req.input), float(req.output)
+        else:
+            ts.mean_input += 0.05 * (req.input - ts.mean_input)
+            ts.mean_output += 0.05 * (req.output - ts.mean_output)
 
     def _reject(self, req: SimRequest, ts: TenantState, status: int = REJECTED) -> None:
         req.status = status

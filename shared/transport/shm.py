@@ -255,7 +255,13 @@ class ShmTransport(Transport):
         if self._held.pop(handle.transfer_id, None) is None:
             return
         seg = self._open.get(handle.location)
-        if seg is not None and seg.get(OFF_BUSY) == handle.seq:
+        if seg is None:  # evicted from the mapping cache meanwhile
+            try:
+                seg = _Segment(self.shm_dir / handle.location)
+            except FileNotFoundError:
+                return
+            self._open[handle.location] = seg
+        if seg.get(OFF_BUSY) == handle.seq:
             seg.put(OFF_DONE, handle.seq)
 
     def _segment(self, handle: TensorHandle) -> _Segment:

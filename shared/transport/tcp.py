@@ -30,6 +30,7 @@ log = structlog.get_logger(__name__)
 _LEN = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 * 1024
 INLINE_PAYLOAD_BYTES = 64 * 1024  # below this, header and payload go out in one write
+THREAD_COPY_BYTES = 2 * 1024**2  # staging copies above this run in a thread so the server keeps serving
 
 
 class FetchRequest(msgspec.Struct, frozen=True, kw_only=True, tag="fetch"):
@@ -184,7 +185,10 @@ class TcpTransport(Transport):
                          f"tcp outbox space for transfer {transfer_id} ({nbytes} bytes)", wake=self._space)
         try:
             payload = torch.empty(nbytes, dtype=torch.uint8)
-            payload.copy_(byte_view(tensor))
+            if nbytes >= THREAD_COPY_BYTES:
+                await asyncio.to_thread(payload.copy_, byte_view(tensor))
+            else:
+                payload.copy_(byte_view(tensor))
         except BaseException:
             self._unreserve(nbytes)
             raise

@@ -8,8 +8,13 @@ this exercises the whole compose credential chain short of Docker itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import signal
 import subprocess
+import sys
+import time
+import urllib.request
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -319,6 +324,71 @@ async def test_server_runs_with_the_deployment_settings(acl_server, compose_env)
         default = next(u for u in users if u.startswith("user default "))
         assert " off " in default + " " and "nopass" not in default
         assert {u.split()[1] for u in users} == {"default", "admin", "probe", *SERVICES}
-        await asyncio.sleep(0)
     finally:
         await r.aclose()
+
+
+@pytest.mark.e2e
+def test_mesh_serves_requests_with_the_compose_settings(acl_server, compose_env, tmp_path):
+    """Every compose app service, started as a process with its compose environment (its own ACL user, JSON logs,
+    the compose config directory), serves completions through this Redis; the compose healthcheck commands pass;
+    SIGTERM stops each within its stop_grace_period. Only addresses and ports differ from the containers."""
+    order = ["gmg", "simulator", "scheduler", "worker-cpu0", "worker-cpu1", "gateway"]
+    conf_dir = REPO / "deploy" / "compose" / "cpu"
+    procs: dict[str, subprocess.Popen] = {}
+    ports: dict[str, int] = {}
+    try:
+        for name in order:
+            svc = compose_env[name]
+            env = {k: str(v) for k, v in svc["environment"].items()}
+            env.update(REDIS_URL=_url_of(compose_env, name, acl_server), SLICESCHED_GATEWAY_HOST="127.0.0.1",
+                       SLICESCHED_CLUSTER=str(conf_dir / "cluster.yaml"),
+                       SLICESCHED_TENANTS=str(conf_dir / "tenants.yaml"),
+                       PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin")
+            ports[name] = free_port()
+            env["SLICESCHED_GATEWAY_PORT" if name == "gateway" else "SLICESCHED_METRICS_PORT"] = str(ports[name])
+            assert svc["command"][0] == "python"
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                procs[name] = subprocess.Popen([sys.executable, *svc["command"][1:]], env=env, cwd=REPO,
+                                               stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                               start_new_session=True)
+        deadline = time.monotonic() + 150
+        for name in order:
+            check = compose_env[name]["healthcheck"]["test"]
+            container_port = "8000" if name == "gateway" else compose_env[name]["environment"]["SLICESCHED_METRICS_PORT"]
+            cmd = [sys.executable, *[a.replace(f":{container_port}/", f":{ports[name]}/") for a in check[2:]]]
+            while subprocess.run(cmd, capture_output=True, timeout=30).returncode != 0:
+                assert procs[name].poll() is None, f"{name} exited: {(tmp_path / f'{name}.log').read_text()[-2000:]}"
+                assert time.monotonic() < deadline, f"{name} not healthy: {(tmp_path / f'{name}.log').read_text()[-2000:]}"
+                time.sleep(0.5)
+        base = f"http://127.0.0.1:{ports['gateway']}"
+        tenants = yaml.safe_load((conf_dir / "tenants.yaml").read_text())["tenants"]
+        for t in tenants:
+            body = json.dumps({"model": t["name"], "prompt": "hello", "max_tokens": 8}).encode()
+            req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={
+                "Authorization": f"Bearer {t['api_keys'][0]}", "Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                out = json.load(resp)
+            assert resp.status == 200 and 1 <= out["usage"]["completion_tokens"] <= 8, out
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        for t in tenants:
+            counted = [line for line in metrics.splitlines() if line.startswith("slicesched_requests_total{")
+                       and f'tenant="{t["name"]}"' in line and 'outcome="ok"' in line]
+            assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 1, metrics
+        for name in reversed(order):
+            procs[name].send_signal(signal.SIGTERM)
+        for name in order:
+            grace = _support().parse_duration_s(compose_env[name]["stop_grace_period"])
+            assert procs[name].wait(timeout=grace) == 0, f"{name}: {(tmp_path / f'{name}.log').read_text()[-2000:]}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for name in order:
+        lines = (tmp_path / f"{name}.log").read_text().splitlines()
+        assert lines and all(json.loads(line) for line in lines), f"{name}: every log line is JSON"
+        text = "\n".join(lines)
+        for refusal in ("NOPERM", "no permissions", "NOAUTH", "WRONGPASS"):
+            assert refusal not in text, f"{name} was refused by Redis: {refusal}"

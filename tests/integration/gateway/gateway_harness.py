@@ -56,13 +56,13 @@ class Responder:
 
     async def run(self, stop: asyncio.Event) -> None:
         cmd = command_client(self.redis_url)
-        blk = blocking_client(self.redis_url, block_ms=200)
+        blk = blocking_client(self.redis_url, block_ms=50)
         prod = StreamProducer(cmd)
         last, tasks = "0-0", set()
         try:
             while not stop.is_set():
                 try:
-                    resp = await blk.xread({requests_stream(self.prefix): last}, count=64, block=200)
+                    resp = await blk.xread({requests_stream(self.prefix): last}, count=64, block=50)
                 except REDIS_ERRORS:
                     await asyncio.sleep(0.1)
                     continue

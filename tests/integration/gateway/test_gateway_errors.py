@@ -268,3 +268,19 @@ async def test_openapi_document_is_served_and_valid(gw):
                 walk(v)
     walk(doc)
     assert refs and all(r.split("/")[-1] in doc["components"]["schemas"] for r in refs)
+
+
+async def test_chunked_body_over_limit_is_413(gw):
+    async def body():
+        yield b'{"model": "ta", "prompt": "'
+        for _ in range(20):
+            yield b"x" * 65536
+        yield b'"}'
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + C, data=body(), headers={"Authorization": f"Bearer {KEY_A}",
+                                                            "Content-Type": J}) as r:
+            assert r.status == 413
+            err = await r.json()
+    ERROR_VALIDATOR.validate(err)
+    assert err["error"]["code"] == "request_too_large" and not gw.responder.requests

@@ -1,9 +1,13 @@
 """Dockerfile and .dockerignore, checked as text (no image is built here: there is no container engine)."""
 from __future__ import annotations
 
+import ast
 import fnmatch
+import importlib.metadata
 import re
 import shlex
+import sys
+import tomllib
 
 from deploy_support import REPO
 
@@ -73,3 +77,39 @@ def test_every_copied_path_exists_and_is_not_ignored():
         assert (REPO / src).exists(), f"COPY {src}: not in the repository"
         assert not _ignored(src), f"COPY {src}: excluded by .dockerignore"
     assert _ignored("tests") and _ignored(".env") and _ignored("deploy/redis/users.acl")
+
+
+def _third_party_imports() -> set[str]:
+    """Top-level third-party modules imported by the packages, except optional ones (inside a try whose
+    handler catches ImportError)."""
+    local = {"services", "shared", "loadgen"}
+    found = set()
+    for root in local:
+        for path in (REPO / root).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            optional = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) and any(
+                "ImportError" in ast.unparse(h.type or ast.Name("BaseException")) for h in t.handlers)
+                for stmt in t.body for n in ast.walk(stmt)}
+            for node in ast.walk(tree):
+                if id(node) in optional:
+                    continue
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                found |= {n.split(".")[0] for n in names}
+    return found - local - set(sys.stdlib_module_names)
+
+
+def test_the_image_installs_every_module_the_services_import():
+    """`pip install .` installs only pyproject's dependencies: each third-party import must come from one."""
+    declared = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower().replace("_", "-")
+                for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    dists = importlib.metadata.packages_distributions()
+    imports = _third_party_imports()
+    assert {"torch", "redis", "aiohttp"} <= imports
+    for module in sorted(imports):
+        owners = {d.lower().replace("_", "-") for d in dists.get(module, [])}
+        assert owners & declared, f"services import {module!r} (from {sorted(owners) or '?'}), not in dependencies"

@@ -139,6 +139,9 @@ def test_services_run_the_entry_points_with_probes_and_drain_time(tree, request)
         pause = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0
         grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace >= drain + pause + 5, f"{name}: grace {grace} < drain {drain} + preStop {pause} + 5"
+        annotations = w["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        assert int(annotations["prometheus.io/port"]) == port
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         assert {"/etc/slicesched", "/tmp"} <= mounts
         assert os.path.dirname(env["SLICESCHED_CLUSTER"]) == "/etc/slicesched"
@@ -207,7 +210,9 @@ def test_one_worker_pod_per_device(tree, prefix, backend, request):
         assert d.host == f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}"
     headless = find(resources, "Service", sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
-    parse_tenants(_tenants_raw(resources), "k8s:slicesched-tenants", cluster)
+    tenants = parse_tenants(_tenants_raw(resources), "k8s:slicesched-tenants", cluster)
+    for d in cluster.devices:  # the worker refuses a device that is not home to exactly one tenant
+        assert sum(d.id in t.home_devices for t in tenants.tenants) == 1, d.id
 
 
 def test_worker_command_derives_the_device_from_the_pod_ordinal(base, tmp_path):

@@ -111,7 +111,8 @@ def test_ctrl_c_writes_partial_results(tmp_path):
     try:
         ten = tenants(tmp_path, names=("good", "slow"))
         w = tmp_path / "w.yaml"
-        w.write_text(f"tenants: {ten.name}\ntraces: [{trace(tmp_path, 400).name}]\nalpha: 0\nseed: 1\nduration_s: 100\n")
+        tr = trace(tmp_path, 400)
+        w.write_text(f"tenants: {ten.name}\ntraces: [{tr.name}]\nalpha: 0\nseed: 1\nduration_s: 100\n")
         out = tmp_path / "out"
         env = dict(os.environ, PYTHONPATH=str(REPO))
         proc = subprocess.Popen([sys.executable, "-m", "loadgen.cli", "replay", "--workload", str(w), "--url",

@@ -101,10 +101,10 @@ def test_servegen_traces_and_bad_files(files, tmp_path):
 @pytest.mark.skipif(not (TRACES / "servegen_client_rates_600s.csv.gz").is_file(), reason="shared traces not present")
 def test_real_servegen_file_is_fast():
     servegen._tables.cache_clear()
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: wall time on a shared 2-core machine depends on the neighbours
     traces = servegen_traces(TRACES / "servegen_client_rates_600s.csv.gz", TRACES / "servegen_client_lengths_6h.csv.gz",
                              "m-large", 50400.0, 3600.0, seed=1, top=16)
-    elapsed = time.perf_counter() - t
+    elapsed = time.process_time() - t
     assert elapsed < 5.0, f"reading the ServeGen files took {elapsed:.2f} s"
     assert len(traces) == 16
     rates = [t.rate_rps for t in traces]

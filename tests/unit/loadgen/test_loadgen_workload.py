@@ -1,7 +1,6 @@
 """Workload files: semantics, determinism, speed, the shipped examples, and errors naming file and field."""
 from __future__ import annotations
 
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -48,9 +47,9 @@ AZURE = """traces:
 def test_sixteen_tenant_hour_loads_fast_and_follows_popularity(tmp_path):
     p = workload_file(tmp_path, AZURE + "alpha: 1.3\nseed: 1\nduration_s: 3600\n")
     lw._cached_traces.cache_clear()
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: wall time on a shared 2-core machine depends on the neighbours
     w = load_workload(p)
-    t1 = time.perf_counter() - t
+    t1 = time.process_time() - t
     assert t1 < 3.0, f"1-hour 16-tenant workload took {t1:.2f} s"
     counts = Counter(r.tenant for r in w.requests)
     total_rate = len(w.requests) / 3600
@@ -64,9 +63,9 @@ def test_sixteen_tenant_hour_loads_fast_and_follows_popularity(tmp_path):
     assert max(r.input_tokens for r in w.requests) > 3000  # capped, not truncated wholesale
 
     lw._cached_traces.cache_clear()
-    t = time.perf_counter()
+    t = time.process_time()
     w20 = load_workload(p, rate_scale=20)
-    t20 = time.perf_counter() - t
+    t20 = time.process_time() - t
     assert t20 < 15.0, f"rate scale 20 took {t20:.2f} s"
     assert len(w20.requests) == pytest.approx(20 * len(w.requests), rel=0.02)
     assert w20.rate_scale == 20 and w20.requests[-1].arrival_s < 3600
@@ -146,16 +145,20 @@ def test_every_example_parses():
 
 
 @needs_traces
-@pytest.mark.parametrize("name", ["azure-16mix-a0.7", "azure-16mix-a2.1", "servegen-16mix"])
-def test_sixteen_tenant_examples_load(tmp_path, name):
-    # the examples name ../tenants-16mix.yaml; a stand-in with the same shape keeps this test self-contained
-    (tmp_path / "workloads").mkdir()
-    shutil.copy(EXAMPLES / f"{name}.yaml", tmp_path / "workloads")
-    tenants_file(tmp_path / "tenants-16mix.yaml")
-    w = load_workload(tmp_path / "workloads" / f"{name}.yaml")
+@pytest.mark.parametrize("name", ["azure-16mix-a0.7", "azure-16mix-a1.3", "azure-16mix-a2.1", "servegen-16mix"])
+def test_sixteen_tenant_examples_load(name):
+    if not (REPO / "configs" / "tenants-16mix.yaml").is_file():
+        pytest.skip("configs/tenants-16mix.yaml not present")
+    w = load_workload(EXAMPLES / f"{name}.yaml")
     counts = Counter(r.tenant for r in w.requests)
     assert len(counts) == 16 and len(w.requests) / 3600 == pytest.approx(8.1, rel=0.05)
-    assert all(r.input_tokens + r.output_tokens <= 4096 for r in w.requests)
+    assert w.cluster is not None and len(w.cluster.devices) == 32
+    contexts = {t.name: t.model.config.max_position_embeddings for t in w.tenants.tenants}
+    assert all(r.input_tokens + r.output_tokens <= contexts[r.tenant] for r in w.requests)
+    if name.startswith("azure"):
+        alpha = float(name.rsplit("a", 1)[1])
+        first = counts[w.tenants.names()[0]] / len(w.requests)
+        assert first == pytest.approx(popularity_weights(16, alpha)[0], rel=0.1)
 
 
 @needs_traces
@@ -167,3 +170,14 @@ def test_tiny_bursty_example():
     assert max(r.input_tokens for r in w.requests) <= 256 and max(r.output_tokens for r in w.requests) <= 64
     per_s = np.bincount([int(r.arrival_s) for r in a], minlength=60)
     assert per_s.max() >= 5 and (per_s == 0).sum() >= 20  # bursts between idle seconds
+
+
+@needs_traces
+def test_servegen_selection_error_names_workload_field(tmp_path):
+    p = workload_file(tmp_path, 'traces:\n  - {path: "${SLICESCHED_TRACES}/servegen_client_rates_600s.csv.gz", '
+                      'format: servegen, model: deepseek-r1, clients: 500, start_s: 0}\n'
+                      'alpha: native\nseed: 1\nduration_s: 600\n', n=2)
+    with pytest.raises(ConfigError) as e:
+        load_workload(p)
+    assert e.value.file == str(p) and e.value.field_path == "traces[0].clients"
+    assert "asked for 500" in e.value.problem

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import msgspec
-import pytest
 import torch
 
 from shared.transport import DTYPES, ShmTransport, TcpTransport, TransportLimits
@@ -27,30 +26,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
-async def test_every_dtype_and_shape_round_trips_between_processes(spawn_peer, backend):
+async def test_every_dtype_and_shape_round_trips_between_processes(spawn_peer):
     peer = await spawn_peer()
-    started = await peer.call(PeerStart(device_id="cpu1", backends=[backend]))
+    started = await peer.call(PeerStart(device_id="cpu1", backends=["shm", "tcp"]))
     assert started.ok, started.error
-    tr = ShmTransport("cpu0") if backend == "shm" else TcpTransport("cpu0")
+    transports = {"shm": ShmTransport("cpu0"), "tcp": TcpTransport("cpu0")}
     try:
         n = 0
-        for dtype in DTYPES:
-            for shape in SHAPES:
-                x = seeded_tensor(shape, dtype, seed=n)
-                h = await tr.send(x, "cpu1", f"to-{n}", 5.0)
-                reply = await peer.call(PeerRecv(handle=h, echo_id=f"back-{n}", use_out=n % 2 == 1))
-                assert reply.ok, reply.error
-                assert reply.digest == digest(x)  # the child got the exact bytes
-                back = await tr.recv(reply.handle, 5.0)  # and sent them back from its own transport
-                assert back.dtype == x.dtype and torch.equal(back, x)
-                n += 1
+        for backend, tr in transports.items():
+            for dtype in DTYPES:
+                for shape in SHAPES:
+                    x = seeded_tensor(shape, dtype, seed=n)
+                    h = await tr.send(x, "cpu1", f"to-{n}", 5.0)
+                    assert h.backend == backend
+                    reply = await peer.call(PeerRecv(handle=h, echo_id=f"back-{n}", use_out=n % 2 == 1))
+                    assert reply.ok, reply.error
+                    assert reply.digest == digest(x)  # the child got the exact bytes
+                    back = await tr.recv(reply.handle, 5.0)  # and sent them back from its own transport
+                    assert back.dtype == x.dtype and torch.equal(back, x)
+                    n += 1
         await peer.stop()
         assert peer.proc.returncode == 0
     finally:
-        await tr.close()
-    if backend == "shm":
-        assert list(Path("/dev/shm").glob(f"{tr.segment_prefix}*")) == []
+        for tr in transports.values():
+            await tr.close()
+    assert list(Path("/dev/shm").glob(f"{transports['shm'].segment_prefix}*")) == []
+    assert list(Path("/dev/shm").glob(f"slicesched-cpu1-p{started.pid}-*")) == []  # the child's echo segments
 
 
 async def test_killed_receiver_does_not_wedge_the_sender(spawn_peer):

@@ -1,0 +1,168 @@
+"""The live side of the shared policies: build the same :class:`ClusterSnapshot` the simulator builds, from GMG
+state and the scheduler's own queues, and apply the policy's lease actions through the GMG's atomic commits."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import structlog
+
+from shared.config import ClusterConfig, TenantsConfig
+from shared.gmg import GMGStore, Refused
+from shared.gmg.leases import Lease, LeaseStore
+from shared.messages import LeaseGranted, LeaseRevoked, worker_stream
+from shared.model.graph import ModelGraph
+from shared.policies import (ClusterSnapshot, DeviceState, GrantLease, LeaseState, RevokeLease, TenantState)
+from shared.streams import StreamProducer
+from services.scheduler.core import DeviceView, SchedulerCore
+
+log = structlog.get_logger()
+
+
+@dataclass
+class TenantRates:
+    """EWMA of a tenant's arrival rate and mean lengths (what the policies' TenantState carries)."""
+
+    rate_rps: float = 0.0
+    mean_input: float = 0.0
+    mean_output: float = 0.0
+    last_ts: float = 0.0
+
+    def observe(self, now: float, prompt: int, out: int, alpha: float = 0.1) -> None:
+        if self.last_ts:
+            gap = max(1e-3, now - self.last_ts)
+            self.rate_rps = (1 - alpha) * self.rate_rps + alpha / gap
+        self.last_ts = now
+        self.mean_input = prompt if not self.mean_input else (1 - alpha) * self.mean_input + alpha * prompt
+        self.mean_output = out if not self.mean_output else (1 - alpha) * self.mean_output + alpha * out
+
+
+class SnapshotBuilder:
+    """Turns the scheduler's view (GMG device rows, its queues and placements, active leases) into a snapshot."""
+
+    def __init__(self, cluster: ClusterConfig, tenants: TenantsConfig, core: SchedulerCore) -> None:
+        self.cluster, self.tenants, self.core = cluster, tenants, core
+        self.rates = {t.name: TenantRates() for t in tenants.tenants}
+        self.home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
+
+    def build(self, now: float, views: dict[str, DeviceView], rows: dict[str, dict[str, str]],
+              assigned: dict[str, tuple], leases: dict[str, LeaseState]) -> ClusterSnapshot:
+        devices: dict[str, DeviceState] = {}
+        per_dev_ctx: dict[str, int] = {}
+        for rid, (dev, req, _w) in assigned.items():
+            per_dev_ctx[dev] = per_dev_ctx.get(dev, 0) + len(req.prompt_ids) + req.max_tokens // 2
+        for d in self.cluster.devices:
+            row, v = rows.get(d.id, {}), views.get(d.id)
+            home = self.home_of.get(d.id)
+            q = self.core.queues.queues.get(home, {}) if home else {}
+            n_home = max(1, len(self.tenants.get(home).home_devices)) if home else 1
+            queued = len(q) // n_home
+            oldest = min((p.enqueued_ts for p in q.values()), default=math.inf)
+            resident = {}
+            for f in (row.get("resident") or "").split(","):
+                if "|" in f:
+                    t, s = f.split("|", 1)
+                    resident[(t, s)] = 1
+            share = sum(lz.share for lz in leases.values() if lz.guest_device == d.id)
+            running = int(row.get("running") or 0) if row else (v.assigned if v else 0)
+            devices[d.id] = DeviceState(
+                id=d.id, kind=d.kind, host=d.host, capacity_bytes=d.memory_bytes,
+                headroom_bytes=d.memory_bytes - int(row.get("limit") or d.memory_bytes * (1 - self.cluster.headroom_fraction)),
+                home_tenant=home, tenants=[home] if home else [], used_bytes=int(row.get("reserved") or 0),
+                queued=queued, running=max(running, v.assigned if v else 0),
+                queued_prefill_tokens=sum(len(p.req.prompt_ids) for p in q.values()) // n_home,
+                decode_kv_tokens=per_dev_ctx.get(d.id, 0), oldest_pending_s=oldest,
+                busy=float(row.get("busy_ratio") or 0) > 0.5 or bool(v and v.assigned), guest_share=share,
+                resident=resident, draining=not (v.up if v else False))
+        tenants = {}
+        for t in self.tenants.tenants:
+            r = self.rates[t.name]
+            tenants[t.name] = TenantState(t.name, t.model.config, t.sla, list(t.home_devices),
+                                          queued=self.core.queues.depth(t.name),
+                                          running=sum(1 for a in assigned.values() if a[1].tenant == t.name),
+                                          rate_rps=r.rate_rps, mean_input=r.mean_input, mean_output=r.mean_output)
+        return ClusterSnapshot(now=now, devices=devices, tenants=tenants, leases=dict(leases),
+                               intra_host_link=self.cluster.intra_host_link,
+                               inter_host_link=self.cluster.inter_host_link)
+
+
+class LeaseManager:
+    """Commits the policy's lease actions: stage weights + lease reservation on the guest (atomic GMG commits),
+    then tells the driver and the guest worker; revokes and expires leases the same way."""
+
+    def __init__(self, prefix: str, store: GMGStore, producer: StreamProducer, tenants: TenantsConfig,
+                 activation_bytes: int = 4 * 2**20) -> None:
+        self.p, self.store, self.producer, self.tenants = prefix, store, producer, tenants
+        self.leases_store = LeaseStore(store)
+        self.active: dict[str, LeaseState] = {}
+        self.granted = self.revoked = self.expired = self.refused = 0
+        self.activation_bytes = activation_bytes
+        self._seg_bytes = {t.name: {s.name: s.weight_bytes for s in ModelGraph.from_config(t.model.config).segments}
+                           for t in tenants.tenants}
+
+    async def grant(self, g: GrantLease, now: float) -> LeaseState | None:
+        missing = {s: self._seg_bytes[g.tenant][s] for s in g.segments}
+        staged = await self.leases_store.stage(g.guest_device, g.tenant, missing)
+        if isinstance(staged, Refused) and staged.reason != "already_resident":
+            self.refused += 1
+            log.info("lease_refused", tenant=g.tenant, guest=g.guest_device, reason=staged.reason)
+            return None
+        lid = uuid.uuid4().hex[:12]
+        lease = Lease(lid, g.tenant, g.guest_device, tuple(g.segments), now, now + g.duration_s,
+                      self.activation_bytes, home=g.home_device)
+        res = await self.leases_store.commit(lease)
+        if isinstance(res, Refused):
+            self.refused += 1
+            log.info("lease_refused", tenant=g.tenant, guest=g.guest_device, reason=res.reason, detail=res.detail)
+            return None
+        st = LeaseState(lid, g.tenant, g.home_device, g.guest_device, tuple(g.segments), now, now + g.duration_s,
+                        g.memory_bytes + self.activation_bytes, g.share, state="active")
+        self.active[lid] = st
+        self.granted += 1
+        msg = dict(lease_id=lid, tenant=g.tenant, home_device=g.home_device, guest_device=g.guest_device,
+                   segments=list(g.segments), start_ts=now, end_ts=now + g.duration_s, share=g.share,
+                   memory_bytes=st.memory_bytes)
+        await self.producer.add_many([(worker_stream(self.p, g.guest_device), LeaseGranted(msg_id=uuid.uuid4().hex, **msg)),
+                                      (worker_stream(self.p, g.home_device), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))])
+        log.info("lease_granted", tenant=g.tenant, lease_id=lid, home=g.home_device, guest=g.guest_device,
+                 segments=",".join(g.segments), share=round(g.share, 2))
+        return st
+
+    async def revoke(self, lease_id: str, reason: str, state: str = "revoked") -> bool:
+        st = self.active.pop(lease_id, None)
+        if st is None:
+            return False
+        await self.leases_store.close(lease_id, state, reason)
+        msg = dict(lease_id=lease_id, tenant=st.tenant, home_device=st.home_device, guest_device=st.guest_device,
+                   reason=reason)
+        await self.producer.add_many([(worker_stream(self.p, st.home_device), LeaseRevoked(msg_id=uuid.uuid4().hex, **msg)),
+                                      (worker_stream(self.p, st.guest_device), LeaseRevoked(msg_id=uuid.uuid4().hex, **msg))])
+        if state == "expired":
+            self.expired += 1
+        else:
+            self.revoked += 1
+        log.info("lease_ended", lease_id=lease_id, tenant=st.tenant, state=state, reason=reason)
+        return True
+
+    async def expire(self, now: float) -> list[LeaseState]:
+        ended = [st for st in self.active.values() if st.end_s <= now]
+        for st in ended:
+            await self.revoke(st.id, "window_ended", state="expired")
+        return ended
+
+    async def revoke_device(self, device: str, reason: str) -> None:
+        for lid in [lid for lid, st in self.active.items() if device in (st.guest_device, st.home_device)]:
+            await self.revoke(lid, reason)
+
+    async def apply(self, actions: list, now: float) -> None:
+        for a in actions:
+            if isinstance(a, GrantLease):
+                await self.grant(a, now)
+            elif isinstance(a, RevokeLease):
+                await self.revoke(a.lease_id, a.reason or "policy")
+
+
+def wall_now() -> float:
+    return time.time()

@@ -1,0 +1,207 @@
+"""``slice``: containers plus leases of predicted idle slices on other tenants' devices, at segment granularity.
+
+Incremental: it looks at a tenant only when something changes for it (a request arrives and its predicted SLA
+slack is low, a periodic forecast tick, a lease ends or is revoked). For a tenant that is behind it builds a
+bounded candidate set — guest devices ranked by predicted idleness, free memory and link bandwidth; for each, the
+MLP segments to move (staged ones first; as many layers as balance home and guest time) and the share of the
+guest's time its own tenant can spare — asks the what-if for all of them at once and commits the best one that
+helps enough. It never grants a lease whose predicted worst case pushes the guest's own tenant past (a margin of)
+its SLA, and revokes leases on a device whose own tenant becomes at risk.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from shared.policies.actions import Action, GrantLease, Placement, RevokeLease, Trigger
+from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, least_loaded
+from shared.policies.container import container_placement
+from shared.policies.snapshot import ClusterSnapshot, DeviceState
+
+
+@dataclass(frozen=True)
+class SliceConfig(PolicyConfig):
+    """Parameters (docs/policies.md)."""
+
+    resize: bool = True  # containers sized from offered work, as for ``container``
+    behind_fraction: float = 0.3  # seek a lease when predicted TTFT or TPOT exceeds this fraction of the target
+    max_candidates: int = 8  # guest devices asked about per decision
+    lease_s: float = 2.0
+    share_max: float = 0.6  # most of a busy guest's time one lease may take
+    min_share: float = 0.1
+    min_gain: float = 0.08  # predicted iteration-time saving needed to commit
+    max_leases: int = 3  # leases one home device may hold at once
+    guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
+    revoke_margin: float = 0.9  # revoke a device's hosted leases when its own tenant passes margin × SLA
+    tick_s: float = 0.2
+    horizon_s: float = 1.0
+
+
+@POLICIES.register("slice")
+class SlicePolicy(Policy):
+    """Containers + segment leases on idle slices, checked by the what-if."""
+
+    config_cls = SliceConfig
+    wants_arrival = True
+
+    def __init__(self, config: SliceConfig | None = None) -> None:
+        super().__init__(config)
+        self.tick_s = self.config.tick_s  # type: ignore[attr-defined]
+        self.devices_of: dict[str, list[str]] = {}
+        self.decisions = 0
+        self.candidates_evaluated = 0
+
+    @property
+    def cfg(self) -> SliceConfig:
+        return self.config  # type: ignore[return-value]
+
+    def initial_placement(self, snapshot: ClusterSnapshot, offered: dict[str, OfferedLoad]) -> Placement:
+        self.devices_of = container_placement(snapshot, offered, self.cfg.resize)
+        return Placement({d: (t,) for t, ds in self.devices_of.items() for d in ds})
+
+    def route(self, tenant: str, input_tokens: int, output_tokens: int, snapshot: ClusterSnapshot) -> str | None:
+        devs = self.devices_of.get(tenant)
+        if devs is None:
+            devs = self.devices_of[tenant] = [d.id for d in snapshot.tenant_devices(tenant)]
+        return least_loaded(devs, snapshot, self.config.max_queue_per_device)
+
+    # ---------------------------------------------------------------- decisions
+    def decide(self, trigger: Trigger, snapshot: ClusterSnapshot, whatif: Any = None) -> list[Action]:
+        if whatif is None:
+            return []
+        out: list[Action] = []
+        if trigger.kind == "arrival" and trigger.device:
+            d = snapshot.devices[trigger.device]
+            out += self._protect(d, snapshot, whatif)
+            if not out:
+                g = self._seek(d, snapshot, whatif)
+                if g:
+                    out.append(g)
+        elif trigger.kind == "tick":
+            hosts = {lease.guest_device for lease in snapshot.leases.values()}
+            for did in hosts:
+                out += self._protect(snapshot.devices[did], snapshot, whatif)
+            for d in snapshot.devices.values():
+                if d.home_tenant and (d.queued or d.queued_prefill_tokens):
+                    g = self._seek(d, snapshot, whatif)
+                    if g:
+                        out.append(g)
+                        break  # one commit per tick; the next tick sees its effect
+        elif trigger.kind in ("lease_end", "lease_revoked") and trigger.tenant:
+            for did in self.devices_of.get(trigger.tenant, []):
+                g = self._seek(snapshot.devices[did], snapshot, whatif)
+                if g:
+                    out.append(g)
+                    break
+        return out
+
+    def _own_latency(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any, share: float) -> tuple[float, float]:
+        t = snapshot.tenants[d.home_tenant]  # type: ignore[index]
+        return whatif.guest_latency(whatif.cost(t, d.kind), d, t, share)
+
+    def _protect(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> list[Action]:
+        """Revoke leases hosted on ``d`` (newest first) while its own tenant is predicted past revoke_margin."""
+        hosted = sorted((lease for lease in snapshot.leases.values() if lease.guest_device == d.id),
+                        key=lambda x: -x.start_s)
+        if not hosted or d.home_tenant is None:
+            return []
+        sla = snapshot.tenants[d.home_tenant].sla
+        share = sum(lease.share for lease in hosted)
+        out: list[Action] = []
+        for lease in hosted:
+            ttft, tpot = self._own_latency(d, snapshot, whatif, share)
+            if ttft <= self.cfg.revoke_margin * sla.ttft_ms / 1e3 and tpot <= self.cfg.revoke_margin * sla.tpot_ms / 1e3:
+                break
+            out.append(RevokeLease(lease.id, "guest_tenant_at_risk"))
+            share -= lease.share
+        return out
+
+    def _behind(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> bool:
+        t = snapshot.tenants[d.home_tenant]  # type: ignore[index]
+        cost = whatif.cost(t, d.kind)
+        it, b, p, _ = whatif.device_iteration(cost, d)
+        ttft, tpot = whatif.tenant_latency(cost, d, t, snapshot.now, it, p)
+        f = self.cfg.behind_fraction
+        return ttft > f * t.sla.ttft_ms / 1e3 or tpot > f * t.sla.tpot_ms / 1e3
+
+    def _seek(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> GrantLease | None:
+        """Best lease for the tenant at home on ``d``, or None."""
+        cfg = self.cfg
+        tenant = d.home_tenant
+        if tenant is None or d.draining or not (d.running or d.queued):
+            return None
+        mine = [lease for lease in snapshot.leases.values() if lease.tenant == tenant and lease.home_device == d.id]
+        if len(mine) >= cfg.max_leases or not self._behind(d, snapshot, whatif):
+            return None
+        t = snapshot.tenants[tenant]
+        layers = t.model.num_hidden_layers
+        taken = {s for lease in mine for s in lease.segments}
+        free_layers = [f"mlp[{i}]" for i in range(layers) if f"mlp[{i}]" not in taken]
+        if not free_layers:
+            return None
+        used_guests = {lease.guest_device for lease in mine}
+        cands = self._guests(d, snapshot, used_guests)
+        hcost = whatif.cost(t, d.kind)
+        tm = max(1, min(d.queued_prefill_tokens + d.running, whatif.params.max_batched_tokens)
+                 // whatif.params.micro_batches)
+        grants = []
+        for g in cands:
+            share = self._share_for(g, snapshot, whatif)
+            if share < cfg.min_share:
+                continue
+            gcost = whatif.cost(t, g.kind)
+            eff = share if (g.busy or g.outstanding) else 1.0 - g.guest_share
+            a, m, mg = hcost.attn_dense_time(tm), hcost.mlp_time(tm), gcost.mlp_time(tm) / max(eff, 1e-6)
+            n_layers = max(1, min(len(free_layers), round(layers * (a + m) / (m + mg))))
+            resident = [s for s in free_layers if (tenant, s) in g.resident]
+            rest = [s for s in free_layers if (tenant, s) not in g.resident]
+            segs = tuple((resident + rest)[:n_layers])
+            mem = len([s for s in segs if (tenant, s) not in g.resident]) * gcost.mlp_weight_bytes
+            grants.append(GrantLease(tenant, d.id, g.id, segs, cfg.lease_s, share, mem))
+        if not grants:
+            return None
+        self.decisions += 1
+        self.candidates_evaluated += len(grants)
+        results = whatif.evaluate(snapshot, grants, cfg.horizon_s)
+        ok = [r for r in results if r.ok and r.gain >= cfg.min_gain]
+        if not ok:
+            return None
+        best = max(ok, key=lambda r: (r.gain, -r.candidate.memory_bytes))
+        c = best.candidate
+        return GrantLease(c.tenant, c.home_device, c.guest_device, c.segments, c.duration_s, c.share,
+                          c.memory_bytes, predicted_gain_s=best.home_iter_s - best.leased_iter_s)
+
+    def _share_for(self, g: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> float:
+        """Largest share of ``g``'s time whose worst case keeps its own tenant under guest_margin × SLA."""
+        cfg = self.cfg
+        room = min(cfg.share_max, 0.95 - g.guest_share)
+        if g.home_tenant is None or room <= 0:
+            return max(0.0, room)
+        sla = snapshot.tenants[g.home_tenant].sla
+        ttft0, tpot0 = self._own_latency(g, snapshot, whatif, g.guest_share)
+        stretch0 = 1.0 - g.guest_share
+        limit = min(1.0 - ttft0 * stretch0 / (cfg.guest_margin * sla.ttft_ms / 1e3),
+                    1.0 - tpot0 * stretch0 / (cfg.guest_margin * sla.tpot_ms / 1e3))
+        return max(0.0, min(room, limit - g.guest_share))
+
+    def _guests(self, d: DeviceState, snapshot: ClusterSnapshot, exclude: set[str]) -> list[DeviceState]:
+        """Bounded candidate set: idle first, then least loaded, most free memory, same host first."""
+        scored = []
+        tenant = d.home_tenant
+        for g in snapshot.devices.values():
+            if g.id == d.id or g.id in exclude or g.draining or g.guest_share >= 0.95 - self.cfg.min_share:
+                continue
+            idle = 0 if not (g.busy or g.outstanding) else 1
+            same = 0 if g.host == d.host else 1
+            staged = sum(1 for (t, _s) in g.resident if t == tenant)  # reuse cached weights: no staging
+            scored.append(((idle, -staged, g.outstanding + g.queued_prefill_tokens / 2048, same,
+                            -(g.free_bytes + g.evictable_bytes), g.id), g))
+        scored.sort(key=lambda x: x[0])
+        return [g for _, g in scored[: self.cfg.max_candidates]]
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["decisions"] = self.decisions
+        d["candidates_evaluated"] = self.candidates_evaluated
+        return d

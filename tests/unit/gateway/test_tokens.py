@@ -1,0 +1,90 @@
+"""Routing of token-stream entries to pending requests (no Redis server): order, duplicates, foreign tenants,
+errors, and failing waiting requests when the stream cannot be read."""
+from __future__ import annotations
+
+import asyncio
+
+from services.gateway.tokens import TokenRouter
+from shared.codec import encode
+from shared.messages import RequestError, TokenChunk
+from shared.procutil import free_port
+from shared.redis_util import blocking_client
+from shared.streams import FIELD_MSG, FIELD_TYPE
+
+
+def chunk(seq, rid="r1", tenant="ta", finish=None):
+    return TokenChunk(msg_id=f"{rid}-{seq}", request_id=rid, tenant=tenant, seq=seq, token_ids=[seq], text=str(seq),
+                      finish_reason=finish)
+
+
+def drain(p) -> list:
+    out = []
+    while not p.queue.empty():
+        out.append(p.queue.get_nowait())
+    return out
+
+
+def router() -> TokenRouter:
+    return TokenRouter(cmd=None, blocking=None, stream="s")
+
+
+def test_in_order_delivery_drops_duplicates_and_reorders():
+    r = router()
+    p = r.register("r1", "ta")
+    for s in (1, 0, 0, 3, 2, 1, 4):
+        r.dispatch(chunk(s))
+    assert [c.seq for c in drain(p)] == [0, 1, 2, 3, 4] and r.duplicates == 2
+
+
+def test_unknown_and_foreign_entries_are_ignored():
+    r = router()
+    p = r.register("r1", "ta")
+    r.dispatch(chunk(0, rid="other"))
+    r.dispatch(chunk(0, tenant="tb"))  # a request id belongs to its tenant
+    r.dispatch(RequestError(msg_id="e", request_id="r1", tenant="tb", status=500, code="x", message="m"))
+    assert drain(p) == [] and r.unknown == 1 and r.foreign == 2
+
+
+def test_errors_are_delivered_at_once_and_unregister_stops_delivery():
+    r = router()
+    p = r.register("r1", "ta")
+    r.dispatch(chunk(1))  # held: seq 0 missing
+    err = RequestError(msg_id="e", request_id="r1", tenant="ta", status=503, code="worker_failed", message="m")
+    r.dispatch(err)
+    assert drain(p) == [err]
+    r.unregister("r1")
+    r.dispatch(chunk(0))
+    assert drain(p) == [] and r.pending_count() == 0
+
+
+def test_fail_all_reaches_every_pending_request():
+    r = router()
+    ps = [r.register(f"r{i}", "ta") for i in range(3)]
+    r.fail_all(503, "redis_unavailable", "down")
+    for p in ps:
+        (e,) = drain(p)
+        assert isinstance(e, RequestError) and e.status == 503 and e.request_id == p.request_id
+
+
+def test_handle_entry_decodes_and_survives_garbage():
+    r = router()
+    p = r.register("r1", "ta")
+    r.handle_entry("1-0", {FIELD_TYPE: b"TokenChunk", FIELD_MSG: encode(chunk(0))})
+    r.handle_entry("2-0", {FIELD_TYPE: b"x", FIELD_MSG: b"\xc1garbage"})
+    r.handle_entry("3-0", {b"other": b"field"})
+    assert [c.seq for c in drain(p)] == [0] and r.undecodable == 2 and r.last_id == "3-0"
+
+
+async def test_unreadable_stream_fails_pending_requests():
+    blk = blocking_client(f"redis://127.0.0.1:{free_port()}/0", block_ms=100)  # nothing listens there
+    r = TokenRouter(cmd=None, blocking=blk, stream="s", block_ms=100, fail_pending_after_s=0.2)
+    p = r.register("r1", "ta")
+    stop = asyncio.Event()
+    task = asyncio.create_task(r.run(stop))
+    try:
+        e = await asyncio.wait_for(p.queue.get(), timeout=5)
+        assert isinstance(e, RequestError) and (e.status, e.code) == (503, "redis_unavailable")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+        await blk.aclose()

@@ -41,6 +41,7 @@ def parse_size(text: str) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``slicesched bench transport``."""
     parser.add_argument("--backends", default="shm,tcp", help=f"comma list of {', '.join(BACKENDS)}")
     parser.add_argument("--sizes", default="4K,64K,1M,16M", help="comma list of message sizes")
     parser.add_argument("--iters", type=int, default=100, help="timed iterations per backend and size")
@@ -133,6 +134,7 @@ def _fmt(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure each requested backend, print a table, write ``--json``."""
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
         if b not in BACKENDS:

@@ -14,7 +14,6 @@ import redis as syncredis
 
 from shared.gmg.keys import GMGKeys
 from shared.requests_state import tenant_stats_key
-from shared.service import health_key
 
 REQUEST_SCAN_LIMIT = 20_000  # request hashes read for tenants' recent outcomes (one SCAN pass, bounded)
 VIOLATING_OUTCOMES = ("rejected_quota", "rejected_overload", "error")
@@ -105,6 +104,8 @@ class StateReader:
     def gateway_metrics(self) -> tuple[dict[str, dict], int]:
         """Sum of every live gateway's request outcomes and SLA violations per tenant; (per tenant, gateways read)."""
         from prometheus_client.parser import text_string_to_metric_families
+
+        from shared.service import health_key  # aiohttp and prometheus: only this view needs them
 
         per: dict[str, dict] = {}
         read = 0

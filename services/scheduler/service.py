@@ -223,6 +223,7 @@ class SchedulerService:
     async def _policy_loop(self) -> None:
         """Ticks and arrival triggers of the policy's ``decide``; leases committed through the GMG."""
         if self.whatif is None:
+            await self.shell.stop.wait()  # returning early would end run_tasks and stop the service
             return
         tick = getattr(self.core.policy, "tick_s", None) or 0.2
         last_tick = 0.0

@@ -30,12 +30,17 @@ class Placement:
     weights: dict[tuple[str, str], float] = field(default_factory=dict)
     dynamic_engines: bool = False
     weights_free: bool = False
+    quantum: int = 8  # switch sharing: iterations one tenant keeps the device before another may take it
 
 
 @dataclass(frozen=True)
 class GrantLease:
     """Run ``segments`` (``mlp[l]`` names) of ``tenant``'s batch on ``guest_device`` for ``duration_s``, taking at
-    most ``share`` of the guest's time while its own tenant is busy. Staging missing weights is part of the grant."""
+    most ``share`` of the guest's time while its own tenant is busy. Staging missing weights is part of the grant.
+
+    ``mode="sequences"`` (DESIGN §4, second mode): all of the model's segments are staged (``segments`` is
+    ``("*",)``) and new sequences of the tenant routed to the guest keep their KV there and run whole iterations
+    there; when the lease ends the guest stops admitting them and finishes those it holds."""
 
     tenant: str
     home_device: str
@@ -45,6 +50,7 @@ class GrantLease:
     share: float
     memory_bytes: int
     predicted_gain_s: float = 0.0
+    mode: str = "segments"  # segments: MLP blocks of the home's batch; sequences: new sequences run on the guest
 
 
 @dataclass(frozen=True)

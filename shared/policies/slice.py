@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shared.policies.actions import Action, GrantLease, Placement, RevokeLease, Trigger
+from shared.policies.actions import Action, ExtendLease, GrantLease, Placement, RevokeLease, Trigger
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, least_loaded
 from shared.policies.container import container_placement
 from shared.policies.snapshot import ClusterSnapshot, DeviceState
@@ -28,6 +28,9 @@ class SliceConfig(PolicyConfig):
     behind_fraction: float = 0.3  # seek a lease when predicted TTFT or TPOT exceeds this fraction of the target
     max_candidates: int = 8  # guest devices asked about per decision
     lease_s: float = 2.0
+    sequence_lease_s: float = 5.0  # "sequences" leases (whole iterations of new sequences on the guest)
+    sequences: bool = True  # also consider the second mode
+    max_sequence_leases: int = 4  # per home device
     share_max: float = 0.6  # most of a busy guest's time one lease may take
     min_share: float = 0.1
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit
@@ -61,10 +64,30 @@ class SlicePolicy(Policy):
         return Placement({d: (t,) for t, ds in self.devices_of.items() for d in ds})
 
     def route(self, tenant: str, input_tokens: int, output_tokens: int, snapshot: ClusterSnapshot) -> str | None:
+        """Least-loaded device of the tenant's container, or a guest holding a "sequences" lease of it when that
+        is less loaded once its share of the guest's time is accounted for."""
         devs = self.devices_of.get(tenant)
         if devs is None:
             devs = self.devices_of[tenant] = [d.id for d in snapshot.tenant_devices(tenant)]
-        return least_loaded(devs, snapshot, self.config.max_queue_per_device)
+        best = least_loaded(devs, snapshot, self.config.max_queue_per_device)
+        if not snapshot.leases:
+            return best
+        best_key = None
+        if best is not None:
+            d = snapshot.devices[best]
+            best_key = (d.queued + d.running, d.queued_prefill_tokens)
+        for lease in snapshot.leases.values():
+            if lease.tenant != tenant or lease.mode != "sequences" or lease.state != "active":
+                continue
+            g = snapshot.devices[lease.guest_device]
+            ge = g.guest_engines.get(tenant)
+            if ge is None or not ge[2]:
+                continue
+            eff = lease.share if (g.busy or g.outstanding) else 1.0
+            key = ((ge[0] + 1) / eff - 1, ge[1] / eff)
+            if best_key is None or key < best_key:
+                best, best_key = g.id, key
+        return best
 
     # ---------------------------------------------------------------- decisions
     def decide(self, trigger: Trigger, snapshot: ClusterSnapshot, whatif: Any = None) -> list[Action]:
@@ -82,6 +105,8 @@ class SlicePolicy(Policy):
             hosts = {lease.guest_device for lease in snapshot.leases.values()}
             for did in hosts:
                 out += self._protect(snapshot.devices[did], snapshot, whatif)
+            revoked = {a.lease_id for a in out if isinstance(a, RevokeLease)}
+            out += self._extend(snapshot, whatif, revoked)
             for d in snapshot.devices.values():
                 if d.home_tenant and (d.queued or d.queued_prefill_tokens):
                     g = self._seek(d, snapshot, whatif)
@@ -94,6 +119,22 @@ class SlicePolicy(Policy):
                 if g:
                     out.append(g)
                     break
+        return out
+
+    def _extend(self, snapshot: ClusterSnapshot, whatif: Any, skip: set[str]) -> list[Action]:
+        """Keep leases that are still useful (their tenant still behind, or sequences still queued on the guest)
+        instead of letting them lapse and re-staging later."""
+        out: list[Action] = []
+        horizon = snapshot.now + 1.5 * self.cfg.tick_s
+        for lease in snapshot.leases.values():
+            if lease.id in skip or lease.state != "active" or lease.end_s > horizon:
+                continue
+            home = snapshot.devices[lease.home_device]
+            g = snapshot.devices[lease.guest_device]
+            busy_lane = lease.mode == "sequences" and (g.guest_engines.get(lease.tenant, (0, 0, True))[1] > 0)
+            if busy_lane or (home.home_tenant == lease.tenant and self._behind(home, snapshot, whatif)):
+                dur = self.cfg.sequence_lease_s if lease.mode == "sequences" else self.cfg.lease_s
+                out.append(ExtendLease(lease.id, dur))
         return out
 
     def _own_latency(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any, share: float) -> tuple[float, float]:
@@ -131,22 +172,24 @@ class SlicePolicy(Policy):
         tenant = d.home_tenant
         if tenant is None or d.draining or not (d.running or d.queued):
             return None
-        mine = [lease for lease in snapshot.leases.values() if lease.tenant == tenant and lease.home_device == d.id]
-        if len(mine) >= cfg.max_leases or not self._behind(d, snapshot, whatif):
+        mine = [lease for lease in snapshot.leases.values() if lease.tenant == tenant and lease.home_device == d.id
+                and lease.state != "draining"]
+        if not self._behind(d, snapshot, whatif):
             return None
         t = snapshot.tenants[tenant]
         layers = t.model.num_hidden_layers
-        taken = {s for lease in mine for s in lease.segments}
+        seg_leases = [lease for lease in mine if lease.mode == "segments"]
+        taken = {s for lease in seg_leases for s in lease.segments}
         free_layers = [f"mlp[{i}]" for i in range(layers) if f"mlp[{i}]" not in taken]
-        if not free_layers:
-            return None
+        if len(seg_leases) >= cfg.max_leases:
+            free_layers = []
         used_guests = {lease.guest_device for lease in mine}
         cands = self._guests(d, snapshot, used_guests)
         hcost = whatif.cost(t, d.kind)
         tm = max(1, min(d.queued_prefill_tokens + d.running, whatif.params.max_batched_tokens)
                  // whatif.params.micro_batches)
         grants = []
-        for g in cands:
+        for g in (cands if free_layers else []):
             share = self._share_for(g, snapshot, whatif)
             if share < cfg.min_share:
                 continue
@@ -159,6 +202,18 @@ class SlicePolicy(Policy):
             segs = tuple((resident + rest)[:n_layers])
             mem = len([s for s in segs if (tenant, s) not in g.resident]) * gcost.mlp_weight_bytes
             grants.append(GrantLease(tenant, d.id, g.id, segs, cfg.lease_s, share, mem))
+        if cfg.sequences:
+            n_seq = sum(1 for lease in mine if lease.mode == "sequences")
+            for g in cands[: max(0, cfg.max_sequence_leases - n_seq)]:
+                if any(x.tenant == tenant and x.mode == "sequences" for x in snapshot.leases_on(g.id)):
+                    continue
+                share = self._share_for(g, snapshot, whatif)
+                if share < cfg.min_share:
+                    continue
+                gcost = whatif.cost(t, g.kind)
+                mem = 0 if (tenant, "*") in g.resident else gcost.weight_bytes
+                grants.append(GrantLease(tenant, d.id, g.id, ("*",), cfg.sequence_lease_s, share, mem,
+                                         mode="sequences"))
         if not grants:
             return None
         self.decisions += 1
@@ -170,7 +225,7 @@ class SlicePolicy(Policy):
         best = max(ok, key=lambda r: (r.gain, -r.candidate.memory_bytes))
         c = best.candidate
         return GrantLease(c.tenant, c.home_device, c.guest_device, c.segments, c.duration_s, c.share,
-                          c.memory_bytes, predicted_gain_s=best.home_iter_s - best.leased_iter_s)
+                          c.memory_bytes, predicted_gain_s=best.home_iter_s - best.leased_iter_s, mode=c.mode)
 
     def _share_for(self, g: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> float:
         """Largest share of ``g``'s time whose worst case keeps its own tenant under guest_margin × SLA."""

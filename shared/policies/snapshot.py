@@ -35,6 +35,8 @@ class DeviceState:
     resident: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, segment) -> bytes staged
     draining: bool = False
     outstanding_by_tenant: dict[str, int] = field(default_factory=dict)
+    guest_engines: dict[str, tuple[int, int, bool]] = field(default_factory=dict)  # tenant -> (outstanding,
+    #   queued prompt tokens, accepting) of sequences running here under a "sequences" lease
 
     @property
     def limit_bytes(self) -> int:
@@ -79,7 +81,7 @@ class LeaseState:
     end_s: float
     memory_bytes: int
     share: float
-    mode: str = "segments"  # segments: MLP blocks of the home's batch run on the guest
+    mode: str = "segments"  # segments: MLP blocks of the home's batch run on the guest; sequences: whole ones
     state: str = "staging"  # staging | active | ended | revoked
 
 

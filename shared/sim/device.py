@@ -7,7 +7,7 @@ from typing import Callable
 from shared.config import DeviceConfig
 from shared.costmodel.profiles import DeviceProfile
 from shared.sim.engine import Engine
-from shared.sim.lease import ACTIVE, SimLease
+from shared.sim.lease import ACTIVE, DRAINING, SimLease
 from shared.sim.memory import DeviceMemory
 
 
@@ -16,7 +16,8 @@ class SimDevice:
 
     __slots__ = ("id", "kind", "host", "profile", "mem", "engines", "sharing", "weights", "cur", "cur_start",
                  "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "hosted", "last_engine",
-                 "quantum_used", "schedule", "switch_cost", "state", "pending_switch_s", "switches", "used_s")
+                 "quantum_used", "quantum", "schedule", "switch_cost", "state", "pending_switch_s", "switches", "used_s",
+                 "parent", "lanes", "lease", "home_active")
 
     def __init__(self, cfg: DeviceConfig, profile: DeviceProfile, headroom_fraction: float,
                  schedule: Callable[["SimDevice", float, int], None]) -> None:
@@ -35,16 +36,46 @@ class SimDevice:
         self.hosted: list[SimLease] = []  # leases whose segments run here
         self.last_engine: Engine | None = None
         self.quantum_used = 0
+        self.quantum = 8
         self.schedule = schedule
         self.switch_cost: Callable[[Engine], float] | None = None
         self.state = None  # the DeviceState mirrored for policies
         self.pending_switch_s = 0.0
         self.switches = 0
+        self.parent: SimDevice | None = None  # set on a guest lane: the device whose time and memory it shares
+        self.lanes: list[SimDevice] = []  # guest lanes ("sequences" leases) running on this device
+        self.lease: SimLease | None = None  # the lease a guest lane runs under
+        self.home_active = False  # lanes: was the parent's own tenant active when the current step was planned
 
+    def make_lane(self, lease: SimLease) -> "SimDevice":
+        """A guest lane: its own step loop over this device's memory, running under ``lease``'s share."""
+        lane = SimDevice.__new__(SimDevice)
+        for name in SimDevice.__slots__:
+            setattr(lane, name, getattr(self, name))
+        lane.engines, lane.weights, lane.used_s, lane.hosted, lane.lanes = [], {}, {}, [], []
+        lane.cur, lane.version, lane.rr, lane.busy_s, lane.guest_busy_s = None, 0, 0, 0.0, 0.0
+        lane.last_engine, lane.quantum_used, lane.switches, lane.switch_cost = None, 0, 0, None
+        lane.sharing, lane.parent, lane.lease, lane.home_active = "exclusive", self, lease, False
+        self.lanes.append(lane)
+        return lane
+
+    def own_active(self) -> bool:
+        """The device's own tenant has work (busy or queued)."""
+        return self.cur is not None or any(e.outstanding for e in self.engines)
+
+    def lane_share(self) -> float:
+        """Share of the parent's time this lane gets now (its lease's share while the parent's tenant is active,
+        otherwise whatever other leases leave)."""
+        par, lease = self.parent, self.lease
+        assert par is not None and lease is not None
+        if self.home_active:
+            return lease.share
+        others = sum(x.share for x in par.hosted if x is not lease and x.state in (ACTIVE, DRAINING))
+        return max(lease.share, 1.0 - others)
     # ---------------------------------------------------------------- guest shares
     def guest_share(self) -> float:
         """Share of this device's time taken by active leases (slows its own engines)."""
-        return sum(lease.share for lease in self.hosted if lease.state == ACTIVE)
+        return sum(lease.share for lease in self.hosted if lease.state in (ACTIVE, DRAINING))
 
     def committed_share(self) -> float:
         """Share promised to leases, staging ones included (what a new grant must fit beside)."""
@@ -55,7 +86,7 @@ class SimDevice:
         that other leases leave."""
         if self.cur is not None:
             return lease.share
-        others = sum(x.share for x in self.hosted if x is not lease and x.state == ACTIVE)
+        others = sum(x.share for x in self.hosted if x is not lease and x.state in (ACTIVE, DRAINING))
         return max(lease.share, 1.0 - others)
 
     def update_slowdown(self, now: float) -> None:
@@ -73,7 +104,7 @@ class SimDevice:
             return min(ready, key=lambda e: (self.used_s.get(e.eid, 0.0) / self.weights.get(e.tenant, 1.0), e.eid))
         if self.sharing == "switch":
             last = self.last_engine
-            if last in ready and self.quantum_used < 8:
+            if last in ready and self.quantum_used < self.quantum:
                 return last  # type: ignore[return-value]
             others = [e for e in ready if e is not last] or ready
             return min(others, key=lambda e: (e.oldest_pending() if math.isfinite(e.oldest_pending())
@@ -89,6 +120,9 @@ class SimDevice:
         if not ready:
             return
         eng = self._pick(ready)
+        if self.parent is not None:
+            self.home_active = self.parent.own_active()
+            eng.slowdown = 1.0 / max(1e-6, self.lane_share())
         n, dur = eng.plan(now, exclusive=len(ready) == 1)
         if self.sharing == "switch":
             if eng is not self.last_engine and self.last_engine is not None and self.switch_cost is not None:
@@ -107,7 +141,10 @@ class SimDevice:
         eng = self.cur
         assert eng is not None
         dur = now - self.cur_start
-        self.busy_s += dur
+        if self.parent is not None:  # guest lane: its share of the step is guest time on the parent
+            self.parent.guest_busy_s += dur / eng.slowdown
+        else:
+            self.busy_s += dur
         if self.sharing == "weighted":
             self.used_s[eng.eid] = self.used_s.get(eng.eid, 0.0) + dur
         eng.complete(now, dur)
@@ -131,3 +168,12 @@ class SimDevice:
 
     def outstanding(self) -> int:
         return sum(e.outstanding for e in self.engines)
+
+    def sync_lanes(self, now: float) -> None:
+        """The own tenant went from idle to active or back: lanes re-plan with their new share."""
+        if not self.lanes:
+            return
+        active = self.own_active()
+        for lane in self.lanes:
+            if lane.cur is not None and lane.home_active != active:
+                lane.interrupt(now)

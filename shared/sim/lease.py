@@ -9,14 +9,14 @@ if TYPE_CHECKING:
     from shared.sim.device import SimDevice
     from shared.sim.engine import Engine
 
-STAGING, ACTIVE, ENDED, REVOKED = "staging", "active", "ended", "revoked"
+STAGING, ACTIVE, DRAINING, ENDED, REVOKED = "staging", "active", "draining", "ended", "revoked"
 
 
 class SimLease:
     """Tenant ``engine.tenant`` runs ``segments`` on ``guest_dev`` during [start, end) with ``share`` of its time."""
 
     __slots__ = ("lid", "engine", "guest_dev", "segments", "part", "share", "start", "end", "state", "act_bytes",
-                 "guest_busy_s", "link_bytes", "staged_new_bytes", "active_from")
+                 "guest_busy_s", "link_bytes", "staged_new_bytes", "active_from", "mode", "lane")
 
     def __init__(self, lid: str, engine: "Engine", guest_dev: "SimDevice", segments: tuple[str, ...],
                  part: OffloadPart, share: float, start: float, end: float, act_bytes: int) -> None:
@@ -28,6 +28,8 @@ class SimLease:
         self.link_bytes = 0.0
         self.staged_new_bytes = 0
         self.active_from = start
+        self.mode = "segments"
+        self.lane = None  # sequences mode: the guest lane running the tenant's sequences
 
     @property
     def tenant(self) -> str:

@@ -8,7 +8,8 @@ from shared.costmodel import cost_for, transfer_time
 from shared.model.graph import parse_segment
 from shared.policies.actions import ExtendLease, GrantLease, Reassign, RevokeLease, Trigger
 from shared.policies.snapshot import LeaseState
-from shared.sim.lease import ACTIVE, ENDED, REVOKED, STAGING, SimLease
+from shared.sim.engine import Engine
+from shared.sim.lease import ACTIVE, DRAINING, ENDED, REVOKED, STAGING, SimLease
 from shared.sim.offload import OffloadPart
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class LeaseBook:
             if obj.state == STAGING:
                 self.activate(obj)
         elif kind == LEASE_END:
-            if obj.state in (STAGING, ACTIVE) and self.sim.now >= obj.end:
+            if obj.state in (STAGING, ACTIVE) and self.sim.now >= obj.end - 1e-12:
                 self.end(obj, revoked=False)
         elif kind == RELOAD_DONE:
             self._reload_done(obj)
@@ -81,18 +82,26 @@ class LeaseBook:
             return self._refuse("no_engine") or None
         if a.share <= 0 or guest.committed_share() + a.share > 0.95:
             return self._refuse("share") or None
-        taken = {s for lease in self.leases.values() if lease.engine is eng for s in lease.segments}
-        for s in a.segments:
-            kind, _ = parse_segment(s)
-            if kind != "mlp" or s in taken:
-                return self._refuse("segments") or None
         gcost = cost_for(sim.model_of(a.tenant), guest.kind)
-        seg_bytes = gcost.mlp_weight_bytes
         mem = guest.mem
+        m = sim.cfg.micro_batches
+        if a.mode == "sequences":
+            if tuple(a.segments) != ("*",) or any(x.mode == "sequences" and x.engine.tenant == a.tenant
+                                                   for x in guest.hosted):
+                return self._refuse("segments") or None
+            seg_bytes, act = gcost.weight_bytes, 0
+        elif a.mode == "segments":
+            taken = {s for lease in self.leases.values() if lease.engine is eng for s in lease.segments}
+            for s in a.segments:
+                kind, _ = parse_segment(s)
+                if kind != "mlp" or s in taken:
+                    return self._refuse("segments") or None
+            seg_bytes = gcost.mlp_weight_bytes
+            act = 2 * m * -(-sim.cfg.max_batched_tokens // m) * gcost.hidden_bytes_per_token
+        else:
+            return self._refuse("mode") or None
         new = [s for s in a.segments if (a.tenant, s) not in mem.staged]
         new_bytes = len(new) * seg_bytes
-        m = sim.cfg.micro_batches
-        act = 2 * m * -(-sim.cfg.max_batched_tokens // m) * gcost.hidden_bytes_per_token
         reused = [s for s in a.segments if (a.tenant, s) in mem.staged]
         for s in reused:  # pin first so that making room cannot evict what this lease reuses
             mem.stage(a.tenant, s, seg_bytes, now)
@@ -116,13 +125,14 @@ class LeaseBook:
                                                                       gcost, lid),
                          a.share, now, now + a.duration_s, act)
         lease.staged_new_bytes = new_bytes
+        lease.mode = a.mode
         self.leases[lid] = lease
         guest.hosted.append(lease)
         guest.state.guest_share = guest.committed_share()
         self.stats["granted"] += 1
         self.stats["staged_bytes"] += new_bytes
         sim.snapshot.leases[lid] = LeaseState(lid, a.tenant, home.id, guest.id, tuple(a.segments), now, lease.end,
-                                              new_bytes + act, a.share)
+                                              new_bytes + act, a.share, mode=a.mode)
         sim.push(lease.end, LEASE_END, lease)
         if done <= now:
             self.activate(lease)
@@ -135,19 +145,67 @@ class LeaseBook:
         sim = self.sim
         lease.state = ACTIVE
         lease.active_from = sim.now
-        lease.engine.offload.append(lease)
         guest = lease.guest_dev
+        if lease.mode == "sequences":
+            lane = lease.lane = guest.make_lane(lease)
+            src = lease.engine
+            lane.engines.append(Engine(sim.next_id("e"), src.tenant, lane, src.cost if src.device.kind == guest.kind
+                                       else cost_for(sim.model_of(src.tenant), guest.kind), sim.cfg,
+                                       sim._on_first_token, sim._on_finish, 0))
+        else:
+            lease.engine.offload.append(lease)
         sim.snapshot.leases[lease.lid].state = ACTIVE
         guest.update_slowdown(sim.now)
         sim.wake(lease.engine.device)
         sim.refresh(guest)
 
     def end(self, lease: SimLease, revoked: bool) -> None:
-        """Lease over: the home runs the segments itself from its next iteration; staged weights stay cached."""
-        sim, now = self.sim, self.sim.now
-        was_active = lease.state == ACTIVE
-        lease.state = REVOKED if revoked else ENDED
+        """Lease over: the home runs the segments itself from its next iteration (segments mode), or the guest
+        stops taking the tenant's sequences and finishes those it holds (sequences mode); staged weights stay
+        cached on the guest until it needs the memory."""
+        sim = self.sim
+        if lease.state == DRAINING:
+            return
         self.stats["revoked" if revoked else "ended"] += 1
+        if lease.mode == "sequences" and lease.state == ACTIVE and lease.lane is not None:
+            lane = lease.lane
+            lease.state = DRAINING
+            if revoked:  # the guest's own tenant needs its device back: the leftovers get a small share only
+                lease.share = min(lease.share, 0.2)
+            moved = []
+            for e in lane.engines:
+                e.draining = True
+                while e.waiting:
+                    r = e.waiting.popleft()
+                    e.queued_prefill -= r.input
+                    moved.append(r)
+            sim.snapshot.leases[lease.lid].state = DRAINING
+            lease.guest_dev.update_slowdown(sim.now)
+            sim.refresh(lease.guest_dev)
+            self._reroute(moved)
+            if all(e.outstanding == 0 for e in lane.engines):
+                self.lane_drained(lane)
+            else:
+                sim.wake(lease.guest_dev)
+            self._after_end(lease, revoked)
+            return
+        self._finalize(lease, revoked)
+        self._after_end(lease, revoked)
+
+    def lane_drained(self, lane: "SimDevice") -> None:
+        """A draining guest lane finished its last sequence: release it."""
+        lease = lane.lease
+        guest = lane.parent
+        if lease is None or guest is None:
+            return
+        if lane in guest.lanes:
+            guest.lanes.remove(lane)
+        self._finalize(lease, lease.state == REVOKED)
+
+    def _finalize(self, lease: SimLease, revoked: bool) -> None:
+        sim, now = self.sim, self.sim.now
+        was_running = lease.state in (ACTIVE, DRAINING)
+        lease.state = REVOKED if revoked else ENDED
         if lease in lease.engine.offload:
             lease.engine.offload.remove(lease)
         guest = lease.guest_dev
@@ -155,18 +213,35 @@ class LeaseBook:
             guest.hosted.remove(lease)
         for s in lease.segments:
             guest.mem.unpin(lease.tenant, s, now)
-        guest.mem.release("activations", lease.act_bytes, now)
-        del self.leases[lease.lid]
+        if lease.act_bytes:
+            guest.mem.release("activations", lease.act_bytes, now)
+        self.leases.pop(lease.lid, None)
         self.finished.append(lease)
         sim.snapshot.leases.pop(lease.lid, None)
         guest.state.guest_share = guest.committed_share()
-        if was_active:
+        if was_running:
             guest.update_slowdown(now)
             sim.wake(lease.engine.device)
         sim.wake(guest)
         self._mirror_memory(guest)
+
+    def _after_end(self, lease: SimLease, revoked: bool) -> None:
+        sim = self.sim
         kind = "lease_revoked" if revoked else "lease_end"
-        self.apply(sim.policy.decide(Trigger(kind, lease.tenant, guest.id, lease.lid), sim.snapshot, sim.whatif))
+        self.apply(sim.policy.decide(Trigger(kind, lease.tenant, lease.guest_dev.id, lease.lid), sim.snapshot,
+                                     sim.whatif))
+
+    def _reroute(self, moved: list) -> None:
+        sim = self.sim
+        for r in moved:
+            did = sim.policy.route(r.tenant, r.input, r.output, sim.snapshot)
+            target = sim.devices.get(did) if did else None
+            eng = sim.engine_of(target, r.tenant) if target else None
+            if eng is None:
+                sim._reject(r, sim.snapshot.tenants[r.tenant])
+                continue
+            eng.enqueue(r)
+            sim.wake(target)
 
     def _mirror_memory(self, dev: "SimDevice") -> None:
         s, m = dev.state, dev.mem
@@ -191,15 +266,7 @@ class LeaseBook:
                 e.queued_prefill -= r.input
                 moved.append(r)
         sim.refresh(dev)
-        for r in moved:
-            did = sim.policy.route(r.tenant, r.input, r.output, sim.snapshot)
-            target = sim.devices.get(did) if did else None
-            eng = sim.engine_of(target, r.tenant) if target else None
-            if eng is None:
-                sim._reject(r, sim.snapshot.tenants[r.tenant])
-                continue
-            eng.enqueue(r)
-            sim.wake(target)
+        self._reroute(moved)
         if all(e.outstanding == 0 for e in dev.engines):
             self.drained(dev, None)
 

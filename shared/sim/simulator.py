@@ -94,9 +94,14 @@ class Simulator:
         return self.snapshot.tenants[tenant].model
 
     def engine_of(self, dev: SimDevice, tenant: str) -> Engine | None:
+        """The engine that takes new requests of ``tenant`` on ``dev`` (its own, or a guest lane's)."""
         for e in dev.engines:
             if e.tenant == tenant and not e.draining:
                 return e
+        for lane in dev.lanes:
+            for e in lane.engines:
+                if e.tenant == tenant and not e.draining:
+                    return e
         return None
 
     def add_engine(self, dev: SimDevice, tenant: str, charge_weights: bool = True) -> Engine | None:
@@ -137,7 +142,9 @@ class Simulator:
 
     # ---------------------------------------------------------------- snapshot upkeep
     def refresh(self, dev: SimDevice) -> None:
-        """Mirror one device's state into the snapshot the policy reads."""
+        """Mirror one device's state into the snapshot the policy reads (own tenant's engines; guest lanes apart)."""
+        if dev.parent is not None:
+            dev = dev.parent
         s = dev.state
         q = r = qp = kv = 0
         oldest = math.inf
@@ -154,6 +161,9 @@ class Simulator:
         s.used_bytes, s.kv_bytes, s.staged_bytes = m.used, m.by_kind["kv"], m.by_kind["staged"]
         s.busy = dev.cur is not None
         s.busy_until_s = dev.cur_end if s.busy else self.now
+        if dev.lanes or s.guest_engines:
+            s.guest_engines = {e.tenant: (e.outstanding, e.queued_prefill, not e.draining)
+                               for lane in dev.lanes for e in lane.engines}
         if self.dynamic:
             by: dict[str, int] = {}
             for e in dev.engines:
@@ -201,6 +211,7 @@ class Simulator:
             dev.state.home_tenant = tenants[0] if tenants else None
         for dev in self.devices.values():
             dev.sharing = placement.sharing
+            dev.quantum = placement.quantum
             dev.weights = {t: w for (d, t), w in placement.weights.items() if d == dev.id}
             if placement.sharing == "switch":
                 dev.switch_cost = self._switch_cost_fn(dev)
@@ -244,10 +255,12 @@ class Simulator:
             self._reject(req, ts, FAILED)  # can never fit on this device
             return
         eng.enqueue(req)
-        if dev.cur is None:
-            dev.start(self.now)
+        target = eng.device
+        if target.cur is None:
+            target.start(self.now)
         else:
-            dev.interrupt(self.now)
+            target.interrupt(self.now)
+        dev.sync_lanes(self.now)
         self.refresh(dev)
         if self.policy.wants_arrival:
             self.leases.apply(self.policy.decide(Trigger("arrival", req.tenant, did), self.snapshot, self.whatif))
@@ -273,16 +286,23 @@ class Simulator:
     def _on_step(self, dev: SimDevice) -> None:
         eng = dev.finish(self.now)
         if eng.draining and eng.outstanding == 0:
+            if dev.parent is not None:
+                self.leases.lane_drained(dev)
+                self.refresh(dev)
+                return
             self.leases.drained(dev, eng)
         dev.start(self.now)
+        if dev.parent is None:
+            dev.sync_lanes(self.now)
         self.refresh(dev)
 
     def wake(self, dev: SimDevice) -> None:
         """Re-plan a device after something outside it changed (memory freed, lease change)."""
-        if dev.cur is None:
-            dev.start(self.now)
-        else:
-            dev.interrupt(self.now)
+        for d in [dev, *dev.lanes]:
+            if d.cur is None:
+                d.start(self.now)
+            else:
+                d.interrupt(self.now)
         self.refresh(dev)
 
     # ---------------------------------------------------------------- main loop

@@ -112,6 +112,8 @@ class WhatIf:
         return [self._one(snapshot, c, horizon_s) for c in candidates]
 
     def _one(self, snap: ClusterSnapshot, cand: GrantLease, horizon_s: float) -> WhatIfResult:
+        if cand.mode == "sequences":
+            return self._sequences(snap, cand, horizon_s)
         prm = self.params
         home, guest = snap.devices[cand.home_device], snap.devices[cand.guest_device]
         ten = snap.tenants[cand.tenant]
@@ -143,17 +145,7 @@ class WhatIf:
         # the guest's own tenant, with the lease's share taken away (worst case: it is busy the whole window)
         gt_name = guest.home_tenant
         g_ttft = g_tpot = 0.0
-        if gt_name is not None:
-            gten = snap.tenants[gt_name]
-            gown = self.cost(gten, guest.kind)
-            g_ttft, g_tpot = self.guest_latency(gown, guest, gten, guest.guest_share + cand.share)
-            if g_ttft > prm.guest_margin * gten.sla.ttft_ms / 1000.0:
-                breaks.append("guest_ttft")
-            if g_tpot > prm.guest_margin * gten.sla.tpot_ms / 1000.0:
-                breaks.append("guest_tpot")
-            kv_need = self._kv_growth(gten, gown, guest, horizon_s)
-        else:
-            kv_need = 0
+        g_ttft, g_tpot, kv_need = self._guest_side(snap, guest, cand.share, horizon_s, breaks)
         seg_bytes = gcost.mlp_weight_bytes
         new_bytes = sum(seg_bytes for s in cand.segments if (cand.tenant, s) not in guest.resident)
         act = 2 * prm.micro_batches * -(-prm.max_batched_tokens // prm.micro_batches) * gcost.hidden_bytes_per_token
@@ -171,6 +163,63 @@ class WhatIf:
         timeline = self._timeline(home, guest, new_s, leased, g_share, horizon_s, snap.now)
         gain = 1.0 - new_s / base_s if base_s > 0 else 0.0
         return WhatIfResult(cand, base_s, new_s, gain, ttft, tpot, ttft_before, g_ttft, g_tpot, peak, timeline, breaks)
+
+    def _guest_side(self, snap: ClusterSnapshot, guest: DeviceState, share: float, horizon_s: float,
+                    breaks: list[str]) -> tuple[float, float, int]:
+        """Guest tenant's worst-case (TTFT, TPOT) with ``share`` more of its device given away, and the KV it is
+        predicted to need over the window; appends broken bounds to ``breaks``."""
+        if guest.home_tenant is None:
+            return 0.0, 0.0, 0
+        gten = snap.tenants[guest.home_tenant]
+        gown = self.cost(gten, guest.kind)
+        g_ttft, g_tpot = self.guest_latency(gown, guest, gten, guest.guest_share + share)
+        if g_ttft > self.params.guest_margin * gten.sla.ttft_ms / 1000.0:
+            breaks.append("guest_ttft")
+        if g_tpot > self.params.guest_margin * gten.sla.tpot_ms / 1000.0:
+            breaks.append("guest_tpot")
+        return g_ttft, g_tpot, self._kv_growth(gten, gown, guest, horizon_s)
+
+    def _sequences(self, snap: ClusterSnapshot, cand: GrantLease, horizon_s: float) -> WhatIfResult:
+        """A "sequences" lease: part of the tenant's queue runs whole on the guest (full weights staged there)."""
+        prm = self.params
+        home, guest = snap.devices[cand.home_device], snap.devices[cand.guest_device]
+        ten = snap.tenants[cand.tenant]
+        hcost, gcost = self.cost(ten, home.kind), self.cost(ten, guest.kind)
+        base_s, b, p, _ = self.device_iteration(hcost, home)
+        chunk = prm.max_batched_tokens
+        own_active = guest.busy or guest.outstanding > 0
+        g_eff = cand.share if own_active else max(cand.share, 1.0 - guest.guest_share)
+        t_chunk = gcost.iteration_time(0, 0, chunk, chunk * (chunk + 1) // 2, chunk, 1)
+        r_g = g_eff * chunk / t_chunk
+        r_h = (p / base_s) if p and base_s > 0 else chunk / max(t_chunk, 1e-9)
+        frac = r_g / (r_h + r_g)
+        ttft_before, _ = self.tenant_latency(hcost, home, ten, snap.now, base_s, p)
+        ttft = ttft_before * (1.0 - frac)
+        breaks: list[str] = []
+        typical = int(ten.mean_input) if ten.mean_input > 0 else 1024
+        a, c, _ = gcost.decode_line(16)
+        lane_tpot = (a + c * 16 * (typical + ten.mean_output / 2)) / max(cand.share, 1e-6)
+        if lane_tpot > prm.guest_margin * ten.sla.tpot_ms / 1000.0:
+            breaks.append("lease_tpot")  # the tenant's own sequences would be too slow on the guest's share
+        g_ttft, g_tpot, kv_need = self._guest_side(snap, guest, cand.share, horizon_s, breaks)
+        new_bytes = 0 if (cand.tenant, "*") in guest.resident else gcost.weight_bytes
+        moved_kv = int(ten.rate_rps * horizon_s * frac * (ten.mean_input + ten.mean_output)
+                       * gcost.kv_bytes_per_token) + int(home.queued * frac * (ten.mean_input + ten.mean_output)
+                                                         * gcost.kv_bytes_per_token)
+        peak = guest.used_bytes + new_bytes + kv_need + moved_kv
+        if new_bytes > guest.free_bytes + guest.evictable_bytes:
+            breaks.append("memory_now")
+        if peak > guest.limit_bytes + guest.evictable_bytes:
+            breaks.append("memory_window")
+        if guest.guest_share + cand.share > 0.95:
+            breaks.append("share")
+        w = horizon_s / prm.slots
+        tl = {home.id: [(snap.now + i * w, snap.now + (i + 1) * w, 1.0 if home.outstanding else 0.0)
+                        for i in range(prm.slots)],
+              guest.id: [(snap.now + i * w, snap.now + (i + 1) * w, min(1.0, g_eff + (1 - g_eff) * own_active))
+                         for i in range(prm.slots)]}
+        return WhatIfResult(cand, base_s, base_s * (1.0 - frac), frac, ttft, lane_tpot, ttft_before, g_ttft, g_tpot,
+                            peak, tl, breaks)
 
     def _kv_growth(self, t: TenantState, cost: ModelCost, d: DeviceState, horizon_s: float) -> int:
         """KV the device's own tenant is predicted to reserve over the window (its queued requests plus its recent

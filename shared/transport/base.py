@@ -128,6 +128,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's elements (not of its storage)."""
     return tensor.numel() * tensor.element_size()
 
 

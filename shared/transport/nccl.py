@@ -185,6 +185,7 @@ class NcclTransport(Transport):
             else:
                 keep.append(p)
         self._pending = keep
+        self._abandoned = [p for p in self._abandoned if not p.sent.done()]
 
     # ---------------------------------------------------------------- receiver side
     async def recv(self, handle: TensorHandle, timeout_s: float, out: torch.Tensor | None = None, *,

@@ -25,6 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class NcclPeerOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Process-group membership for a peer's nccl transport."""
+
     rank: int
     world_size: int
     store_addr: str
@@ -33,6 +35,8 @@ class NcclPeerOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PeerStart(msgspec.Struct, frozen=True, kw_only=True, tag="start"):
+    """Create and start the peer's transports."""
+
     device_id: str
     backends: list[str]
     max_transfer_bytes: int = 256 * 1024**2
@@ -44,6 +48,8 @@ class PeerStart(msgspec.Struct, frozen=True, kw_only=True, tag="start"):
 
 
 class PeerSend(msgspec.Struct, frozen=True, kw_only=True, tag="send"):
+    """Send a seeded tensor; the reply carries the handle and the tensor's digest."""
+
     transfer_id: str
     backend: str
     dst_device: str
@@ -54,6 +60,8 @@ class PeerSend(msgspec.Struct, frozen=True, kw_only=True, tag="send"):
 
 
 class PeerRecv(msgspec.Struct, frozen=True, kw_only=True, tag="recv"):
+    """Receive by handle; the reply carries the digest, the recv time and the echo's handle."""
+
     handle: TensorHandle
     timeout_s: float = 10.0
     use_out: bool = False
@@ -61,10 +69,12 @@ class PeerRecv(msgspec.Struct, frozen=True, kw_only=True, tag="recv"):
 
 
 class PeerStop(msgspec.Struct, frozen=True, kw_only=True, tag="stop"):
-    pass
+    """Close the transports and exit."""
 
 
 class PeerReply(msgspec.Struct, frozen=True, kw_only=True, tag="reply"):
+    """The answer to any command; ``ok=False`` carries the exception's type and message."""
+
     ok: bool
     error: str = ""
     error_type: str = ""

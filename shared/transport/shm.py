@@ -95,6 +95,7 @@ class ShmSlotPool:
         self._gens = itertools.count(1)
 
     def capacity_for(self, nbytes: int) -> int:
+        """The slot size class for ``nbytes``: a power of two from 4 KiB, capped at ``max_transfer_bytes``."""
         cap = max(MIN_SLOT_BYTES, 1 << max(nbytes - 1, 0).bit_length())
         return max(min(cap, self.limits.max_transfer_bytes), nbytes)
 
@@ -124,10 +125,12 @@ class ShmSlotPool:
         return slot
 
     def publish(self, slot: _Slot, nbytes: int) -> None:
+        """Make a written slot readable: the busy generation goes in last."""
         slot.seg.put(OFF_NBYTES, nbytes)
         slot.seg.put(OFF_BUSY, slot.gen)
 
     def give_back(self, slot: _Slot) -> None:
+        """Return a slot to its size class's free list."""
         self.busy.pop(slot.name, None)
         self.free.setdefault(slot.capacity, []).append(slot)
 
@@ -165,6 +168,7 @@ class ShmSlotPool:
             pass
 
     def close(self) -> None:
+        """Unmap and unlink every segment of the pool."""
         for slot in [*self.busy.values(), *(s for lst in self.free.values() for s in lst)]:
             self._destroy(slot)
         self.busy.clear()

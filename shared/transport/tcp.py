@@ -34,11 +34,15 @@ THREAD_COPY_BYTES = 2 * 1024**2  # staging copies above this run in a thread so 
 
 
 class FetchRequest(msgspec.Struct, frozen=True, kw_only=True, tag="fetch"):
+    """Receiver → sender: send me the bytes of this transfer."""
+
     transfer_id: str
     nbytes: int
 
 
 class FetchReply(msgspec.Struct, frozen=True, kw_only=True, tag="reply"):
+    """Sender → receiver: ``ok`` and ``nbytes`` raw bytes follow, or why not."""
+
     transfer_id: str
     ok: bool
     nbytes: int = 0
@@ -78,6 +82,7 @@ async def _read_header(sock: socket.socket, decoder: msgspec.msgpack.Decoder) ->
 
 
 def parse_endpoint(location: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host, port)."""
     host, _, port = location.rpartition(":")
     if not host or not port.isdigit():
         raise TransportError(f"bad tcp endpoint {location!r} (expected host:port)")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from shared.config import ConfigError, parse_cluster
-from shared.transport import (DTYPES, ShmTransport, TcpTransport, TensorHandle, TransferTooLarge, TransportError,
-                              TransportLimits, TransportMux, UnsupportedTensor, backend_for, decode_handle,
-                              encode_handle, make_transport, nccl_members)
+from shared.transport import (DTYPES, ShmTransport, TcpTransport, TensorHandle, TransferTooLarge, TransportClosed,
+                              TransportError, TransportLimits, TransportMux, UnsupportedTensor, backend_for,
+                              decode_handle, encode_handle, make_transport, nccl_members)
 from shared.transport.cuda_ipc import CudaIpcLocation, CudaIpcTransport, decode_location, encode_location
 
 
@@ -160,3 +160,15 @@ async def test_cuda_ipc_refuses_cpu_tensors(tmp_path):
 
 def test_every_dtype_has_a_wire_name():
     assert set(DTYPES) == {"float32", "float16", "bfloat16", "int64", "int32"}
+
+
+@pytest.mark.parametrize("cls", [ShmTransport, TcpTransport])
+async def test_closed_transport_refuses_work(cls):
+    tr = cls("cpu0")
+    h = await tr.send(torch.zeros(2), "cpu1", "x", 1.0)
+    await tr.close()
+    await tr.close()  # idempotent
+    with pytest.raises(TransportClosed):
+        await tr.send(torch.zeros(2), "cpu1", "y", 1.0)
+    with pytest.raises(TransportClosed):
+        await tr.recv(h, 1.0)

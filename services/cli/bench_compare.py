@@ -1,0 +1,206 @@
+"""``slicesched bench compare``: max sustainable throughput per policy, side by side, on one workload.
+
+For each policy it searches the largest arrival-rate scale whose SLA violation rate stays ≤ 9% and, separately,
+≤ 1% (bracket by doubling/halving, then bisection in log space), and reports token throughput there, the ratio
+to ``container`` and the share of ``pooled-bound``'s gain that ``slice`` captures. Every policy runs on the same
+workload, cluster and seed. Fidelity levels are a table (``FIDELITIES``); this module provides ``sim``, other
+levels register a runner the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from shared.config import ConfigError, load_cluster
+
+BOUNDS = {"9": 0.09, "1": 0.01}
+
+# fidelity -> "module:function"; the function runs one point: (args, policy, scale) -> result dict with at least
+# tokens_per_s and violation_rate. Other fidelity levels add their entry here.
+FIDELITIES: dict[str, str] = {"sim": "services.cli.bench_compare:run_sim_point"}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", required=True)
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--policies", default="container,container-realloc,muxserve,token-pool,slice,pooled-bound")
+    p.add_argument("--fidelity", default="sim", help=f"one of: {', '.join(FIDELITIES)}")
+    p.add_argument("--seed", type=int, default=None, help="workload/simulator seed (default: the file's)")
+    p.add_argument("--duration-s", type=float, default=None, help="replay only the first D seconds")
+    p.add_argument("--start-scale", type=float, default=4.0)
+    p.add_argument("--tolerance", type=float, default=0.04, help="stop when hi/lo < 1 + tolerance")
+    p.add_argument("--max-scale", type=float, default=256.0)
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="points run in parallel")
+    p.add_argument("--json", dest="json_out", default=None)
+
+
+def run_sim_point(args: argparse.Namespace, policy: str, scale: float) -> dict[str, Any]:
+    """One simulator run in a subprocess (JSON out; keeps runs independent and uses both cores)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        cmd = [sys.executable, "-m", "services.cli.main", "simulate", "--cluster", args.cluster, "--workload",
+               args.workload, "--policy", policy, "--rate-scale", repr(scale), "--json", str(out), "--progress", "off"]
+        if args.seed is not None:
+            cmd += ["--seed", str(args.seed)]
+        if args.duration_s is not None:
+            cmd += ["--duration-s", repr(args.duration_s)]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        if p.returncode != 0:
+            raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
+        r = json.loads(out.read_text())
+    keep = ("tokens_per_s", "violation_rate", "events", "wall_s", "leases")
+    return {k: r[k] for k in keep if k in r} | {"device_utilization_mean": r["total"]["device_utilization_mean"]}
+
+
+def _runner(fidelity: str) -> Callable[[argparse.Namespace, str, float], dict[str, Any]]:
+    import importlib
+    mod, fn = FIDELITIES[fidelity].split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+class _Search:
+    """Points of one policy, cached by scale, and the two bisections over them."""
+
+    def __init__(self, policy: str, point: Callable[[float], dict[str, Any]], args: argparse.Namespace) -> None:
+        self.policy, self.point, self.args = policy, point, args
+        self.cache: dict[float, dict[str, Any]] = {}
+
+    def at(self, scale: float) -> dict[str, Any]:
+        scale = float(f"{scale:.6g}")
+        if scale not in self.cache:
+            self.cache[scale] = self.point(scale)
+        return self.cache[scale]
+
+    def max_scale(self, bound: float) -> tuple[float, dict[str, Any] | None]:
+        a = self.args
+        ok = sorted(s for s, r in self.cache.items() if r["violation_rate"] <= bound)
+        bad = sorted(s for s, r in self.cache.items() if r["violation_rate"] > bound)
+        lo = ok[-1] if ok else None
+        hi = min((s for s in bad if lo is None or s > lo), default=None)
+        s = a.start_scale if lo is None and hi is None else None
+        while lo is None or hi is None:
+            if s is None:
+                s = hi / 2 if lo is None else lo * 2
+            if s > a.max_scale or s < 1e-3:
+                break
+            r = self.at(s)
+            if r["violation_rate"] <= bound:
+                lo = s
+            else:
+                hi = s
+            s = None
+        if lo is None:
+            return 0.0, None
+        while hi is not None and hi / lo > 1 + a.tolerance:
+            mid = math.sqrt(lo * hi)
+            if self.at(mid)["violation_rate"] <= bound:
+                lo = mid
+            else:
+                hi = mid
+        return lo, self.at(lo)
+
+
+def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
+    point = _runner(args.fidelity)
+    lock = threading.Lock()
+    log: list[dict[str, Any]] = []
+
+    def search(policy: str) -> tuple[str, dict[str, Any]]:
+        def at(scale: float) -> dict[str, Any]:
+            r = point(args, policy, scale)
+            with lock:
+                log.append({"policy": policy, "scale": scale, **{k: r[k] for k in ("tokens_per_s", "violation_rate",
+                                                                                     "wall_s") if k in r}})
+                print(f"  {policy:18s} scale {scale:8.3f}: violations {r['violation_rate'] * 100:6.2f}%  "
+                      f"{r['tokens_per_s']:10.1f} tok/s", file=sys.stderr, flush=True)
+            return r
+        s = _Search(policy, at, args)
+        out: dict[str, Any] = {}
+        for key, bound in BOUNDS.items():
+            scale, r = s.max_scale(bound)
+            out[f"max_scale_{key}"] = scale
+            out[f"tokens_per_s_{key}"] = r["tokens_per_s"] if r else 0.0
+            if key == "9":
+                out["violation_rate"] = r["violation_rate"] if r else None
+                out["leases"] = r.get("leases") if r else None
+        return policy, out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
+        results = dict(ex.map(search, policies))
+    res: dict[str, Any] = {"policies": {p: results[p] for p in policies}, "fidelity": args.fidelity,
+                           "workload": args.workload, "cluster": args.cluster, "seed": args.seed,
+                           "duration_s": args.duration_s, "wall_s": time.perf_counter() - t0}
+    res["ratio_to_container"] = ratios(res["policies"])
+    res["pooled_gain_captured"] = captured(res["policies"])
+    res["runs"] = sorted(log, key=lambda x: (x["policy"], x["scale"]))
+    return res
+
+
+def ratios(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """tokens/s of each policy over container's, at each bound."""
+    if "container" not in pol:
+        return {}
+    out = {}
+    for name, r in pol.items():
+        out[name] = {}
+        for key in BOUNDS:
+            base = pol["container"][f"tokens_per_s_{key}"]
+            out[name][key] = r[f"tokens_per_s_{key}"] / base if base else None
+    return out
+
+
+def captured(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """(policy − container) / (pooled-bound − container) per policy, at each bound."""
+    if "container" not in pol or "pooled-bound" not in pol:
+        return {}
+    out: dict[str, dict[str, float | None]] = {}
+    for name, r in pol.items():
+        if name in ("container", "pooled-bound"):
+            continue
+        out[name] = {}
+        for key in BOUNDS:
+            c, p = pol["container"][f"tokens_per_s_{key}"], pol["pooled-bound"][f"tokens_per_s_{key}"]
+            out[name][key] = (r[f"tokens_per_s_{key}"] - c) / (p - c) if p - c > 0 else None
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.policies import POLICIES
+    if args.fidelity not in FIDELITIES:
+        print(f"slicesched bench compare: unknown fidelity {args.fidelity!r}; valid: {', '.join(FIDELITIES)}",
+              file=sys.stderr)
+        return 2
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        print(f"slicesched bench compare: unknown policy {', '.join(bad) or '(none)'}; valid: "
+              f"{', '.join(POLICIES.names())}", file=sys.stderr)
+        return 2
+    load_cluster(args.cluster)
+    if not Path(args.workload).is_file():
+        raise ConfigError(args.workload, "(file)", "workload file not found")
+    res = compare(args, policies)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(res, indent=1))
+    rat = res["ratio_to_container"]
+    print(f"{'policy':18s} {'scale@9%':>9s} {'tok/s@9%':>10s} {'x cont.':>8s} {'scale@1%':>9s} {'tok/s@1%':>10s}")
+    for name, r in res["policies"].items():
+        x = rat.get(name, {}).get("9")
+        print(f"{name:18s} {r['max_scale_9']:9.3f} {r['tokens_per_s_9']:10.1f} "
+              f"{(f'{x:.2f}' if x else '-'):>8s} {r['max_scale_1']:9.3f} {r['tokens_per_s_1']:10.1f}")
+    if res["pooled_gain_captured"]:
+        print("share of pooled-bound's gain captured (9%):",
+              {k: (round(v['9'], 3) if v['9'] is not None else None) for k, v in res["pooled_gain_captured"].items()})
+    return 0

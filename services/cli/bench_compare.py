@@ -27,7 +27,10 @@ BOUNDS = {"9": 0.09, "1": 0.01}
 
 # fidelity -> "module:function"; the function runs one point: (args, policy, scale) -> result dict with at least
 # tokens_per_s and violation_rate. Other fidelity levels add their entry here.
-FIDELITIES: dict[str, str] = {"sim": "services.cli.bench_compare:run_sim_point"}
+FIDELITIES: dict[str, str] = {"sim": "services.cli.bench_compare:run_sim_point",
+                              "emulated": "services.cli.compare_mesh:run_emulated_point",
+                              "real": "services.cli.compare_mesh:run_real_point"}
+SERIAL_FIDELITIES = {"emulated", "real"}  # one mesh at a time on this machine
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -136,7 +139,8 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
         return policy, out
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
+    jobs = 1 if args.fidelity in SERIAL_FIDELITIES else max(1, args.jobs)
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
         results = dict(ex.map(search, policies))
     res: dict[str, Any] = {"policies": {p: results[p] for p in policies}, "fidelity": args.fidelity,
                            "workload": args.workload, "cluster": args.cluster, "seed": args.seed,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 KEYS = {"tiny-a": "sk-dev-tiny-a-0001", "tiny-b": "sk-dev-tiny-b-0001"}
 
 
-def inspect(mesh, capsys, capsys, *argv: str) -> tuple[int, dict | None, str]:
+def inspect(mesh, capsys, *argv: str) -> tuple[int, dict | None, str]:
     """Run the CLI in this process (one interpreter start for all views) and parse its JSON."""
     capsys.readouterr()
     rc = main(["inspect", "--redis-url", mesh.redis_url, "--prefix", mesh.prefix, *argv, "--json"])

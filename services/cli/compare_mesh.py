@@ -1,0 +1,89 @@
+"""Mesh fidelities of ``slicesched bench compare``: one point = start the real mesh (every service, a private
+Redis, the gateway) with one policy, replay the workload over HTTP at a rate scale with the load generator, stop.
+
+* ``emulated``: the cluster's devices must be ``backend: emulated`` (time from the device profile, memory
+  accounted, placeholder tokens) — results are labelled emulated.
+* ``real``: ``cpu``/``cuda`` devices computing for real.
+
+Points run one at a time (one mesh on the machine); ``--jobs`` is ignored for these fidelities.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import redis as syncredis
+import yaml
+
+from shared.config import ConfigError, load_cluster
+
+
+def _tenants_file(workload: str) -> str:
+    data = yaml.safe_load(Path(workload).read_text()) or {}
+    t = data.get("tenants")
+    if not isinstance(t, str):
+        raise ConfigError(workload, "tenants", "mesh fidelities need the workload to name a tenants file")
+    return str((Path(workload).parent / t).resolve())
+
+
+def _scheduler_leases(redis_url: str, prefix: str) -> dict[str, float]:
+    """Lease counters scraped from the scheduler's /metrics (found through its health key)."""
+    r = syncredis.Redis.from_url(redis_url, socket_timeout=2)
+    try:
+        port = r.hget(f"{prefix}health:scheduler:scheduler-0", "port")
+    finally:
+        r.close()
+    if not port:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{int(port)}/metrics", timeout=3) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for m in re.finditer(r'^slicesched_leases_total\{event="(\w+)"\} ([0-9.e+]+)$', text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -> dict[str, Any]:
+    from loadgen.runner import run_replay
+    from services.launcher import Launcher
+
+    cluster = load_cluster(args.cluster)
+    want = {"emulated"} if fidelity == "emulated" else {"cpu", "cuda"}
+    bad = [d.id for d in cluster.devices if d.backend not in want]
+    if bad:
+        raise ConfigError(cluster.source, "devices", f"fidelity {fidelity!r} needs {'/'.join(sorted(want))} devices; "
+                                                      f"{', '.join(bad)} are not")
+    if policy == "pooled-bound":
+        raise ConfigError("--policies", "pooled-bound", "simulation-only bound: not run on a mesh")
+    tenants = _tenants_file(args.workload)
+    with tempfile.TemporaryDirectory(prefix=f"slicesched-{fidelity}-") as tmp:
+        launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()), tenants_file=tenants,
+                            data_dir=Path(tmp), gateway_port=0, policy=policy, prefix="bench:")
+        t0 = time.perf_counter()
+        launcher.start()
+        try:
+            summary = run_replay(args.workload, launcher.gateway_url, str(Path(tmp) / "replay"), tenants_file=tenants,
+                                 rate_scale=scale, duration_s=args.duration_s, progress=False,
+                                 timeout_s=getattr(args, "request_timeout_s", 120.0))
+            leases = _scheduler_leases(launcher.redis_url, "bench:")
+        finally:
+            launcher.stop(drain_s=10)
+    return {"tokens_per_s": summary["tokens_per_s"], "violation_rate": summary["violation_rate"],
+            "wall_s": time.perf_counter() - t0, "leases": leases, "fidelity": fidelity,
+            "requests": summary.get("total", {}).get("requests")}
+
+
+def run_emulated_point(args: argparse.Namespace, policy: str, scale: float) -> dict[str, Any]:
+    return _point(args, policy, scale, "emulated")
+
+
+def run_real_point(args: argparse.Namespace, policy: str, scale: float) -> dict[str, Any]:
+    return _point(args, policy, scale, "real")

@@ -1,10 +1,13 @@
 """Per-request journey in Redis: ``{prefix}req:{request_id}`` hash, written by the scheduler and workers.
 
 Fields: tenant, gateway, state (queued|assigned|running|done|failed|cancelled|rejected), device, kv_blocks,
-attempt, worker_id, and ``*_ts`` timestamps per transition. Terminal requests expire after ``TERMINAL_TTL_S`` so
+attempt, worker_id, and ``*_ts`` timestamps per transition. The move to a terminal state goes through
+:class:`TerminalFence`, so each request gets exactly one terminal result. Terminal requests expire after ``TERMINAL_TTL_S`` so
 ``slicesched inspect request`` can show recent journeys.
 """
 from __future__ import annotations
+
+import time
 
 TERMINAL_STATES = frozenset({"done", "failed", "cancelled", "rejected"})
 TERMINAL_TTL_S = 3600
@@ -22,3 +25,54 @@ def assigned_key(prefix: str, device: str) -> str:
 def tenant_stats_key(prefix: str, tenant: str) -> str:
     """Hash the scheduler keeps per tenant: queued, running, admitted, rejected, ts (read by gateway, inspect)."""
     return f"{prefix}sched:tenant:{tenant}"
+
+
+# Exactly one terminal result per request: whoever ends a request (the worker with its final chunk or error, the
+# scheduler failing a dead worker's requests, a deadline or a poison entry) first moves its hash to a terminal
+# state with this script and only then writes the result; a loser writes nothing. Claiming again is idempotent for
+# the same claimant and state (a retried publish). One key, so it also works on Redis Cluster. A missing hash
+# (expired, or lost with Redis) does not fence: it is created with the terminal state.
+# KEYS[1] req hash; ARGV: state, ts, owner (worker id that must own the request, or ''), ttl, claimant
+CLAIM_TERMINAL = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if st == 'done' or st == 'failed' or st == 'cancelled' or st == 'rejected' then
+  if st == ARGV[1] and redis.call('HGET', KEYS[1], 'ended_by') == ARGV[5] then return 1 end
+  return 0
+end
+if ARGV[3] ~= '' then
+  local owner = redis.call('HGET', KEYS[1], 'worker_id')
+  if owner and owner ~= '' and owner ~= ARGV[3] then return 0 end
+end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], ARGV[1] .. '_ts', ARGV[2], 'ended_by', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+
+class TerminalFence:
+    """Claims the single terminal transition of requests for one claimant (a worker instance or the scheduler).
+
+    ``owner``: the worker instance that must own the request (workers pass their own id; the scheduler passes '').
+    """
+
+    def __init__(self, redis, prefix: str, claimant: str, *, owner: str = "") -> None:
+        self.redis, self.prefix, self.claimant, self.owner = redis, prefix, claimant, owner
+        self._script = redis.register_script(CLAIM_TERMINAL)
+
+    async def claim(self, request_id: str, state: str) -> bool:
+        """True if this claimant ended the request (it may now publish the result); False if it was fenced."""
+        return (await self.claim_many([(request_id, state)]))[0]
+
+    async def claim_many(self, items: list[tuple[str, str]]) -> list[bool]:
+        """:meth:`claim` for several ``(request_id, state)`` pairs in one round trip."""
+        if not items:
+            return []
+        bad = [s for _, s in items if s not in TERMINAL_STATES]
+        if bad:
+            raise ValueError(f"not terminal states: {bad}")
+        pipe = self.redis.pipeline(transaction=False)
+        now = f"{time.time():.6f}"
+        for rid, state in items:
+            await self._script(keys=[req_key(self.prefix, rid)],
+                               args=[state, now, self.owner, TERMINAL_TTL_S, self.claimant], client=pipe)
+        return [bool(int(x)) for x in await pipe.execute()]

@@ -15,7 +15,8 @@ from shared.messages import (GROUP_SCHEDULER, AssignRequest, CancelAssigned, Can
                              InferenceRequest, RequestError, RequestFinished, RequestsMsg, WorkerHeartbeat,
                              dead_stream, events_stream, requests_stream, tokens_stream, worker_stream)
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
-from shared.requests_state import TERMINAL_STATES, TERMINAL_TTL_S, assigned_key, req_key, tenant_stats_key
+from shared.requests_state import (TERMINAL_STATES, TERMINAL_TTL_S, TerminalFence, assigned_key, req_key,
+                                   tenant_stats_key)
 from shared.service import ServiceShell, run_tasks
 from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.scheduler.core import DeviceView, Pending, SchedulerCore
@@ -39,6 +40,7 @@ class SchedulerService:
         self.redis = command_client(settings.redis_url, name=f"{name}-cmd")
         self.gmg = GMGStore(self.redis, self.p)
         self.producer = StreamProducer(self.redis)
+        self.fence = TerminalFence(self.redis, self.p, name)
         self.shell = ServiceShell("scheduler", name, prefix=self.p, redis=self.redis)
         self.devices: dict[str, DeviceView] = {}
         self.assigned: dict[str, tuple[str, InferenceRequest, str]] = {}  # request_id -> (device, req, worker_id)
@@ -274,11 +276,8 @@ class SchedulerService:
     async def _finished(self, rid: str, device: str, state: str) -> None:
         a = self.assigned.pop(rid, None)
         await self.gmg.release(device, f"kv:{rid}")
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(req_key(self.p, rid), mapping={"state": state, f"{state}_ts": time.time()})
-        pipe.expire(req_key(self.p, rid), TERMINAL_TTL_S)
-        pipe.srem(assigned_key(self.p, device), rid)
-        await pipe.execute()
+        await self.fence.claim(rid, state)  # no-op when the request already ended (e.g. failed, then a late finish)
+        await self.redis.srem(assigned_key(self.p, device), rid)
         v = self.devices.get(device)
         if v is not None and a is not None:
             v.assigned = max(0, v.assigned - 1)
@@ -335,7 +334,7 @@ class SchedulerService:
             await self.producer.add(worker_stream(self.p, dev), CancelAssigned(
                 msg_id=uuid.uuid4().hex, request_id=rid, tenant=req.tenant, reason="worker_failed"))
             gw = req.gateway or (await self.redis.hget(req_key(self.p, rid), "gateway") or b"").decode()
-            if gw:
+            if await self.fence.claim(rid, "failed") and gw:  # fenced if the worker finished it first
                 await self.producer.add(tokens_stream(self.p, gw), RequestError(
                     msg_id=uuid.uuid4().hex, request_id=rid, tenant=req.tenant, status=503, code="worker_failed",
                     message=f"the worker on device {dev} failed; retry the request", retryable=True),
@@ -362,8 +361,7 @@ class SchedulerService:
     async def _fail(self, req: InferenceRequest, status: int, code: str, message: str, *, state: str = "failed",
                     retryable: bool = False) -> None:
         self.m_failed.labels(req.tenant, code).inc()
-        await self._set_state(req.request_id, state)
-        if req.gateway:
+        if await self.fence.claim(req.request_id, state) and req.gateway:
             await self.producer.add(tokens_stream(self.p, req.gateway), RequestError(
                 msg_id=uuid.uuid4().hex, request_id=req.request_id, tenant=req.tenant, status=status, code=code,
                 message=message, retryable=retryable), maxlen=TOKENS_MAXLEN)
@@ -374,7 +372,8 @@ class SchedulerService:
         loose = loose_decode(raw)
         rid, gw, tenant = loose.get("request_id"), loose.get("gateway"), loose.get("tenant", "")
         if isinstance(rid, str) and isinstance(gw, str) and isinstance(tenant, str) and stream.endswith("requests"):
-            await self._set_state(rid, "failed")
+            if not await self.fence.claim(rid, "failed"):
+                return
             await self.producer.add(tokens_stream(self.p, gw), RequestError(
                 msg_id=uuid.uuid4().hex, request_id=rid, tenant=tenant, status=500, code="internal_error",
                 message="the request could not be processed", retryable=False), maxlen=TOKENS_MAXLEN)

@@ -56,7 +56,15 @@ def main() -> int:
     engine = Engine(model, tokenizer, kv_blocks=blocks, block_size=16,
                     max_batch_tokens=int(os.environ.get("SLICESCHED_MAX_BATCH_TOKENS", "256")),
                     max_running=int(os.environ.get("SLICESCHED_MAX_RUNNING", "64")))
-    asyncio.run(WorkerService(settings, cluster, device, tenant, engine).run())
+    from services.worker.leases import LeaseOptions
+
+    try:
+        lease_options = LeaseOptions.from_env()
+    except ValueError as e:
+        print(f"worker: config error: environment: SLICESCHED_SEGMENT_*/SLICESCHED_LEASE_*: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(WorkerService(settings, cluster, device, tenant, engine, tenants=tenants,
+                              lease_options=lease_options).run())
     return 0
 
 

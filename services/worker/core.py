@@ -80,9 +80,16 @@ class StepAggregator:
             s[1] += ms
             s[2] += ms * ms
 
+    def add_segment(self, name: str, rows: int, ms: float) -> None:
+        """A segment run outside a home step (guest work: ``tenant/segment``); not counted as home busy time."""
+        s = self.stats.setdefault((name, tokens_bucket(rows)), [0, 0.0, 0.0])
+        s[0] += 1
+        s[1] += ms
+        s[2] += ms * ms
+
     def flush(self, kv_used_bytes: int) -> StepReport | None:
         now = time.time()
-        if not self.steps:
+        if not self.steps and not self.stats:
             self.window_start_ts = now
             return None
         rep = StepReport(msg_id=uuid.uuid4().hex, device=self.device, tenant=self.tenant,

@@ -65,6 +65,7 @@ class EmulatedEngine(Engine):
         self.cost = cost_for(cfg, device_kind)
         self.rng = random.Random(seed)
         self.noise_sigma, self.time_scale, self._sleep = noise_sigma, time_scale, sleep
+        self.time_hook = None  # (plan, predicted_s) -> seconds: set by the emulated lease agent
 
     def predicted_s(self, plan) -> float:
         n_dec = dec_kv = pre = pairs = reads = sampled = 0
@@ -85,7 +86,10 @@ class EmulatedEngine(Engine):
         plan = self._plan()
         if not plan:
             return StepResult([], {}, 0, 0, 0, 0.0)
-        dur = self.predicted_s(plan) * math.exp(self.rng.gauss(0.0, self.noise_sigma)) * self.time_scale
+        base = self.predicted_s(plan)
+        if self.time_hook is not None:
+            base = self.time_hook(plan, base)
+        dur = base * math.exp(self.rng.gauss(0.0, self.noise_sigma)) * self.time_scale
         self._sleep(max(0.0, dur - (time.perf_counter() - t0)))
         events, pre, dec = [], 0, 0
         for seq, c in plan:
@@ -143,7 +147,7 @@ def main() -> int:
             blocks = kv_blocks_for_device(dev, cluster.headroom_fraction, cfg.weight_bytes(),
                                           cfg.kv_bytes_per_token() * 16)
             eng = EmulatedEngine(cfg, dev.kind, kv_blocks=blocks, seed=i, time_scale=scale)
-            services.append(WorkerService(settings, cluster, dev, tenant, eng))
+            services.append(WorkerService(settings, cluster, dev, tenant, eng, tenants=tenants))
         await asyncio.gather(*(s.run() for s in services))
 
     asyncio.run(run_all())

@@ -11,14 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 from prometheus_client import Counter, Gauge
 
-from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig
+from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig, TenantsConfig
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, LeaseGranted, LeaseRevoked, RequestError,
                              RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg, dead_stream, events_stream,
                              tokens_stream, worker_stream)
 from shared.model.engine import Engine, SamplingParams
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
-from shared.requests_state import TERMINAL_STATES, req_key
+from shared.requests_state import TERMINAL_STATES, TerminalFence, req_key
 from shared.service import ServiceShell, instance_id, run_tasks
 from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.worker.core import StepAggregator, Tracker
@@ -32,7 +32,7 @@ HEARTBEAT_S = 0.5
 
 class WorkerService:
     def __init__(self, settings: Settings, cluster: ClusterConfig, device: DeviceConfig, tenant: TenantConfig,
-                 engine: Engine) -> None:
+                 engine: Engine, *, tenants: TenantsConfig | None = None, lease_options=None) -> None:
         self.s, self.cluster, self.device, self.tenant, self.engine = settings, cluster, device, tenant, engine
         self.p = settings.prefix
         self.worker_id = instance_id(f"worker-{device.id}")
@@ -40,6 +40,7 @@ class WorkerService:
         self.blocking = blocking_client(settings.redis_url, block_ms=1000, name=f"worker-{device.id}-blk")
         self.gmg = GMGStore(self.redis, self.p)
         self.producer = StreamProducer(self.redis)
+        self.fence = TerminalFence(self.redis, self.p, self.worker_id, owner=self.worker_id)
         self.shell = ServiceShell("worker", device.id, prefix=self.p, redis=self.redis)
         self.tracker = Tracker(device.id)
         self.agg = StepAggregator(device.id, tenant.name)
@@ -51,6 +52,8 @@ class WorkerService:
                                        group=GROUP_WORKER, consumer=device.id, types=WorkerMsg, handler=self._on_msg,
                                        dead_stream=dead_stream(self.p), min_idle_ms=60_000)
         self.lease_agent = None  # guest execution (services/worker/leases.py) when the backend supports it
+        if tenants is not None:
+            self.lease_agent = self._make_lease_agent(tenants, lease_options)
         self._busy_s = 0.0
         self._busy_mark = time.monotonic()
         reg = self.shell.registry
@@ -59,6 +62,9 @@ class WorkerService:
         self.m_busy = Gauge("slicesched_device_busy_ratio", "Busy fraction since the last heartbeat", ["device"],
                             registry=reg)
         self.m_mem = Gauge("slicesched_device_memory_bytes", "Device memory", ["device", "kind"], registry=reg)
+        self.m_fenced = Counter("slicesched_worker_fenced_results_total",
+                                "Results not published because the request had already ended elsewhere",
+                                ["device"], registry=reg)
 
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> None:
@@ -67,18 +73,42 @@ class WorkerService:
                                     self.s.metrics_port)
         log.info("metrics_listening", port=self.shell.port)
         await self._reserve_weights()
+        if self.lease_agent is not None:
+            await self.lease_agent.start()
         self.shell.ready = True
         await self._heartbeat()
         log.info("worker_ready", tenant=self.tenant.name, kv_blocks=self.engine.kv_blocks_total,
                  weight_bytes=self.engine.weight_bytes, worker_id=self.worker_id)
         try:
+            extra = [self.lease_agent.maintain_loop(self.shell.stop)] if self.lease_agent is not None else []
             await run_tasks(self.shell, self.consumer.run(self.shell.stop), self._compute_loop(),
-                            self._publish_loop(), self._heartbeat_loop(), self.shell.heartbeat_loop())
+                            self._publish_loop(), self._heartbeat_loop(),
+                            self.shell.heartbeat_loop(extra=self._health_extra), *extra)
             await self._drain()
         finally:
             self.compute.shutdown(wait=False, cancel_futures=True)
+            if self.lease_agent is not None:
+                await self.lease_agent.close()
             await self.shell.close_http()
             await close_quietly(self.redis, self.blocking)
+
+    def _make_lease_agent(self, tenants: TenantsConfig, options):
+        """Guest execution for this backend: real (cpu/cuda) or cost-model time only (emulated)."""
+        if self.device.backend == "emulated":
+            from services.worker.emulated_leases import EmulatedLeaseAgent
+            return EmulatedLeaseAgent(cluster=self.cluster, device=self.device, tenant=self.tenant, tenants=tenants,
+                                      engine=self.engine)
+        from services.worker.leases import LeaseAgent
+        return LeaseAgent(prefix=self.p, redis=self.redis, gmg=self.gmg, cluster=self.cluster, device=self.device,
+                          tenant=self.tenant, tenants=tenants, engine=self.engine, options=options,
+                          home_busy=lambda: self.engine.has_work() or bool(self.pending_ops))
+
+    def _step(self):
+        """One engine step on the compute thread (through the lease agent when there is one)."""
+        return self.lease_agent.step() if self.lease_agent is not None else self.engine.step()
+
+    def _health_extra(self) -> dict:
+        return self.lease_agent.health_fields() if self.lease_agent is not None else {}
 
     async def _reserve_weights(self) -> None:
         while not self.shell.stop.is_set():
@@ -140,7 +170,7 @@ class WorkerService:
                 continue
             t0 = time.time()
             try:
-                res = await loop.run_in_executor(self.compute, self.engine.step)
+                res = await loop.run_in_executor(self.compute, self._step)
             except Exception as e:  # a failed step fails its batch, not the worker
                 log.exception("engine_step_failed")
                 for rid in list(self.tracker.items):
@@ -190,12 +220,30 @@ class WorkerService:
                 self.m_tokens.labels(self.device.id, t.req.tenant).inc(len(ev.token_ids))
                 if ev.finish_reason is not None:
                     finished.append((ev.request_id, ev.finish_reason))
+            await self._publish(items, finished)
+
+    async def _publish(self, items: list, finished: list[tuple[str, str]]) -> None:
+        """Claim the finished requests' terminal state, publish the chunks, end the requests; retried on Redis
+        errors (the gateway drops repeated chunks by ``seq``; a repeated claim by this worker is idempotent)."""
+        delay, t0 = 0.1, time.monotonic()
+        while True:
             try:
+                won = await self.fence.claim_many([(rid, "done") for rid, _ in finished])
+                fenced = {rid for (rid, _), ok in zip(finished, won) if not ok}
+                if fenced:  # ended elsewhere while we ran (e.g. failed while this worker was stalled)
+                    self.m_fenced.labels(self.device.id).inc(len(fenced))
+                    log.warning("results_fenced", requests=",".join(sorted(fenced)))
+                    items = [(s, c) for s, c in items if c.request_id not in fenced]
                 await self.producer.add_many(items, maxlen=TOKENS_MAXLEN)
                 for rid, reason in finished:
-                    await self._end(rid, reason)
+                    await self._end(rid, "fenced" if rid in fenced else reason)
+                return
             except REDIS_ERRORS as e:
                 log.warning("publish_failed", error=repr(e))
+                if self.shell.stop.is_set() and time.monotonic() - t0 > 5:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     async def _end(self, rid: str, outcome: str, error: tuple[int, str, str] | None = None) -> None:
         """A request left this device: tell the gateway (on error), the GMG/scheduler, and ack its entry."""
@@ -205,9 +253,12 @@ class WorkerService:
         now = time.time()
         if error is not None:
             status, code, message = error
-            await self.producer.add(tokens_stream(self.p, t.req.gateway), RequestError(
-                msg_id=uuid.uuid4().hex, request_id=rid, tenant=t.req.tenant, status=status, code=code,
-                message=message, retryable=status >= 500), maxlen=TOKENS_MAXLEN)
+            if await self.fence.claim(rid, "failed"):
+                await self.producer.add(tokens_stream(self.p, t.req.gateway), RequestError(
+                    msg_id=uuid.uuid4().hex, request_id=rid, tenant=t.req.tenant, status=status, code=code,
+                    message=message, retryable=status >= 500), maxlen=TOKENS_MAXLEN)
+            else:
+                self.m_fenced.labels(self.device.id).inc()
         await self.producer.add(events_stream(self.p), RequestFinished(
             msg_id=uuid.uuid4().hex, request_id=rid, tenant=t.req.tenant, device=self.device.id, outcome=outcome,
             prompt_tokens=len(t.req.prompt_ids), completion_tokens=t.completion_tokens, kv_blocks=t.kv_blocks, ts=now,
@@ -240,6 +291,9 @@ class WorkerService:
                              kv_used_bytes=kv_used, kv_total_bytes=e.kv_blocks_total * e.kv_bytes_per_block,
                              running=len(e.running_ids()), queued=len(e.waiting_ids()), busy_ratio=min(1.0, busy))
         items = [(events_stream(self.p), hb)]
+        if self.lease_agent is not None:
+            for name, rows, ms in self.lease_agent.drain_segment_stats():
+                self.agg.add_segment(name, rows, ms)
         rep = self.agg.flush(kv_used)
         if rep is not None:
             items.append((events_stream(self.p), rep))

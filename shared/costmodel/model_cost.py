@@ -141,6 +141,10 @@ class ModelCost:
 
     def prefill_time(self, input_tokens: int, chunk: int = 2048) -> float:
         """Time to prefill one prompt alone, in chunks of ``chunk`` tokens (the isolated TTFT)."""
+        key = ("prefill", input_tokens * 100003 + chunk)
+        cached = self._cache.get(key)  # type: ignore[call-overload]
+        if cached is not None:
+            return cached
         done, total = 0, 0.0
         while done < input_tokens:
             q = min(chunk, input_tokens - done)
@@ -148,6 +152,7 @@ class ModelCost:
             last = done + q >= input_tokens
             total += self.iteration_time(0, 0, q, pairs, done + q, sampled=1 if last else 0)
             done += q
+        self._cache[key] = total  # type: ignore[index]
         return total
 
     def isolated_latency(self, input_tokens: int, output_tokens: int, chunk: int = 2048) -> tuple[float, float]:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shared.costmodel import cost_for
 from shared.policies.actions import Action, ExtendLease, GrantLease, Placement, RevokeLease, Trigger
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, least_loaded
 from shared.policies.container import container_placement
@@ -25,7 +26,7 @@ class SliceConfig(PolicyConfig):
     """Parameters (docs/policies.md)."""
 
     resize: bool = True  # containers sized from offered work, as for ``container``
-    behind_fraction: float = 0.3  # seek a lease when predicted TTFT or TPOT exceeds this fraction of the target
+    behind_fraction: float = 0.5  # seek a lease when predicted TTFT or TPOT exceeds this fraction of the target
     max_candidates: int = 8  # guest devices asked about per decision
     lease_s: float = 2.0
     sequence_lease_s: float = 5.0  # "sequences" leases (whole iterations of new sequences on the guest)
@@ -38,6 +39,7 @@ class SliceConfig(PolicyConfig):
     guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
     revoke_margin: float = 0.9  # revoke a device's hosted leases when its own tenant passes margin × SLA
     tick_s: float = 0.2
+    min_seek_interval_s: float = 0.05
     horizon_s: float = 1.0
 
 
@@ -54,6 +56,8 @@ class SlicePolicy(Policy):
         self.devices_of: dict[str, list[str]] = {}
         self.decisions = 0
         self.candidates_evaluated = 0
+        self._prefill_cost: dict[tuple[int, str], float] = {}
+        self._last_seek: dict[str, float] = {}
 
     @property
     def cfg(self) -> SliceConfig:
@@ -64,18 +68,18 @@ class SlicePolicy(Policy):
         return Placement({d: (t,) for t, ds in self.devices_of.items() for d in ds})
 
     def route(self, tenant: str, input_tokens: int, output_tokens: int, snapshot: ClusterSnapshot) -> str | None:
-        """Least-loaded device of the tenant's container, or a guest holding a "sequences" lease of it when that
-        is less loaded once its share of the guest's time is accounted for."""
+        """Least-loaded device of the tenant's container, or a guest holding a "sequences" lease of it when the
+        predicted wait for the first token is shorter there (its prompt queue over the share of the guest's time
+        it gets now: everything the other leases leave while the guest's tenant is idle, its yield otherwise)."""
         devs = self.devices_of.get(tenant)
         if devs is None:
             devs = self.devices_of[tenant] = [d.id for d in snapshot.tenant_devices(tenant)]
         best = least_loaded(devs, snapshot, self.config.max_queue_per_device)
-        if not snapshot.leases:
+        if best is None or not snapshot.leases:
             return best
-        best_key = None
-        if best is not None:
-            d = snapshot.devices[best]
-            best_key = (d.queued + d.running, d.queued_prefill_tokens)
+        model = snapshot.tenants[tenant].model
+        home = snapshot.devices[best]
+        best_wait = (home.queued_prefill_tokens + input_tokens) * self._per_token(model, home.kind)
         for lease in snapshot.leases.values():
             if lease.tenant != tenant or lease.mode != "sequences" or lease.state != "active":
                 continue
@@ -83,11 +87,24 @@ class SlicePolicy(Policy):
             ge = g.guest_engines.get(tenant)
             if ge is None or not ge[2]:
                 continue
-            eff = lease.share if (g.busy or g.outstanding) else 1.0
-            key = ((ge[0] + 1) / eff - 1, ge[1] / eff)
-            if best_key is None or key < best_key:
-                best, best_key = g.id, key
+            if g.busy or g.outstanding:
+                total = sum(x.share for x in snapshot.leases_on(g.id)) or 1.0
+                eff = g.guest_yield * lease.share / total
+            else:
+                eff = max(lease.share, 1.0 - (g.guest_share - lease.share))
+            if eff <= 0.05:
+                continue
+            wait = (ge[1] + input_tokens) * self._per_token(model, g.kind) / eff
+            if wait < best_wait:
+                best, best_wait = g.id, wait
         return best
+
+    def _per_token(self, model, kind: str) -> float:
+        key = (id(model), kind)
+        v = self._prefill_cost.get(key)
+        if v is None:
+            v = self._prefill_cost[key] = cost_for(model, kind).prefill_time(2048) / 2048
+        return v
 
     # ---------------------------------------------------------------- decisions
     def decide(self, trigger: Trigger, snapshot: ClusterSnapshot, whatif: Any = None) -> list[Action]:
@@ -167,11 +184,16 @@ class SlicePolicy(Policy):
         return ttft > f * t.sla.ttft_ms / 1e3 or tpot > f * t.sla.tpot_ms / 1e3
 
     def _seek(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> GrantLease | None:
-        """Best lease for the tenant at home on ``d``, or None."""
+        """Best lease for the tenant at home on ``d``, or None (at most one search per device per
+        ``min_seek_interval_s``: a search that found nothing is not repeated before the state can have moved)."""
         cfg = self.cfg
         tenant = d.home_tenant
         if tenant is None or d.draining or not (d.running or d.queued):
             return None
+        last = self._last_seek.get(d.id)
+        if last is not None and snapshot.now - last < cfg.min_seek_interval_s:
+            return None
+        self._last_seek[d.id] = snapshot.now
         mine = [lease for lease in snapshot.leases.values() if lease.tenant == tenant and lease.home_device == d.id
                 and lease.state != "draining"]
         if not self._behind(d, snapshot, whatif):
@@ -249,7 +271,7 @@ class SlicePolicy(Policy):
                 continue
             idle = 0 if not (g.busy or g.outstanding) else 1
             same = 0 if g.host == d.host else 1
-            staged = sum(1 for (t, _s) in g.resident if t == tenant)  # reuse cached weights: no staging
+            staged = ((tenant, "*") in g.resident) + ((tenant, "mlp[0]") in g.resident)  # reuse: no staging
             scored.append(((idle, -staged, g.outstanding + g.queued_prefill_tokens / 2048, same,
                             -(g.free_bytes + g.evictable_bytes), g.id), g))
         scored.sort(key=lambda x: x[0])

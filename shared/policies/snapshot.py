@@ -32,6 +32,7 @@ class DeviceState:
     busy: bool = False
     busy_until_s: float = 0.0
     guest_share: float = 0.0  # fraction of this device's time promised to guests by active leases
+    guest_yield: float = 0.0  # fraction guests get right now while its own tenant is active (0 while it prefills)
     resident: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, segment) -> bytes staged
     draining: bool = False
     outstanding_by_tenant: dict[str, int] = field(default_factory=dict)

@@ -10,6 +10,8 @@ from shared.sim.engine import Engine
 from shared.sim.lease import ACTIVE, DRAINING, SimLease
 from shared.sim.memory import DeviceMemory
 
+MIN_GUEST_SHARE = 0.02  # a guest lane is paused, not stopped, while the device's own tenant prefills
+
 
 class SimDevice:
     """Runs one engine step at a time. ``sharing`` decides which ready engine goes next (see Placement)."""
@@ -17,7 +19,7 @@ class SimDevice:
     __slots__ = ("id", "kind", "host", "profile", "mem", "engines", "sharing", "weights", "cur", "cur_start",
                  "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "hosted", "last_engine",
                  "quantum_used", "quantum", "schedule", "switch_cost", "state", "pending_switch_s", "switches", "used_s",
-                 "parent", "lanes", "lease", "home_active")
+                 "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin")
 
     def __init__(self, cfg: DeviceConfig, profile: DeviceProfile, headroom_fraction: float,
                  schedule: Callable[["SimDevice", float, int], None]) -> None:
@@ -46,6 +48,8 @@ class SimDevice:
         self.lanes: list[SimDevice] = []  # guest lanes ("sequences" leases) running on this device
         self.lease: SimLease | None = None  # the lease a guest lane runs under
         self.home_active = False  # lanes: was the parent's own tenant active when the current step was planned
+        self.f_dyn = 0.0  # share of this device guests get while its own tenant is active (set every own step)
+        self.yield_margin = 0.8
 
     def make_lane(self, lease: SimLease) -> "SimDevice":
         """A guest lane: its own step loop over this device's memory, running under ``lease``'s share."""
@@ -64,14 +68,9 @@ class SimDevice:
         return self.cur is not None or any(e.outstanding for e in self.engines)
 
     def lane_share(self) -> float:
-        """Share of the parent's time this lane gets now (its lease's share while the parent's tenant is active,
-        otherwise whatever other leases leave)."""
-        par, lease = self.parent, self.lease
-        assert par is not None and lease is not None
-        if self.home_active:
-            return lease.share
-        others = sum(x.share for x in par.hosted if x is not lease and x.state in (ACTIVE, DRAINING))
-        return max(lease.share, 1.0 - others)
+        """Share of the parent's time this lane gets now (see :meth:`share_for`)."""
+        assert self.parent is not None and self.lease is not None
+        return self.parent.share_for(self.lease)
     # ---------------------------------------------------------------- guest shares
     def guest_share(self) -> float:
         """Share of this device's time taken by active leases (slows its own engines)."""
@@ -82,19 +81,21 @@ class SimDevice:
         return sum(lease.share for lease in self.hosted)
 
     def share_for(self, lease: SimLease) -> float:
-        """Fraction of this device's time ``lease`` gets now: its share while the home is busy, otherwise all
-        that other leases leave."""
-        if self.cur is not None:
-            return lease.share
-        others = sum(x.share for x in self.hosted if x is not lease and x.state in (ACTIVE, DRAINING))
+        """Fraction of this device's time ``lease`` gets now. The device's own tenant comes first: while it is
+        active, guests split only what it yields (``f_dyn``: nothing while it has prompts to prefill, otherwise
+        the TPOT slack it can spare, capped by the leases' shares); while it is idle, a lease gets all that other
+        leases leave."""
+        running = [x for x in self.hosted if x.state in (ACTIVE, DRAINING)]
+        if self.own_active():
+            total = sum(x.share for x in running) or 1.0
+            return max(MIN_GUEST_SHARE, self.f_dyn * lease.share / total)
+        others = sum(x.share for x in running if x is not lease)
         return max(lease.share, 1.0 - others)
 
     def update_slowdown(self, now: float) -> None:
-        """Home engines lose the time promised to guests."""
-        s = 1.0 / max(1e-6, 1.0 - self.guest_share())
-        for e in self.engines:
-            e.slowdown = s
+        """Leases changed: cut the current run so that the next step re-plans the split of time."""
         self.interrupt(now)
+        self.sync_lanes(now, force=True)
 
     # ---------------------------------------------------------------- stepping
     def _pick(self, ready: list[Engine]) -> Engine:
@@ -123,7 +124,11 @@ class SimDevice:
         if self.parent is not None:
             self.home_active = self.parent.own_active()
             eng.slowdown = 1.0 / max(1e-6, self.lane_share())
+        else:
+            eng.slowdown = 1.0
         n, dur = eng.plan(now, exclusive=len(ready) == 1)
+        if self.parent is None and (self.hosted or self.f_dyn):
+            dur = self._yield(eng, n, dur, now)
         if self.sharing == "switch":
             if eng is not self.last_engine and self.last_engine is not None and self.switch_cost is not None:
                 dur += self.switch_cost(eng)
@@ -135,6 +140,31 @@ class SimDevice:
         self.cur_end = now + dur
         self.version += 1
         self.schedule(self, self.cur_end, self.version)
+
+    def _yield(self, eng: Engine, n: int, dur: float, now: float) -> float:
+        """Own step with guests present: yield ``f_dyn`` of the device to them, bounded so the own tenant's
+        (longest) iteration stays within ``yield_margin`` × its TPOT target; nothing while it has prompts waiting."""
+        running = [x for x in self.hosted if x.state in (ACTIVE, DRAINING)]
+        old = self.f_dyn
+        if not running or eng.prefilling or eng.waiting:
+            f = 0.0
+        else:
+            if eng.run is not None:
+                t0, a, c, k0, b, _ = eng.run
+                t_last = a + c * (k0 + (n - 1) * b)
+            else:
+                t_last = dur
+            f = max(0.0, min(sum(x.share for x in running), 0.95, 1.0 - t_last / (self.yield_margin * eng.tpot_s)))
+        self.f_dyn = f
+        if f != old:
+            self.sync_lanes(now, force=True)
+        if f <= 0.0:
+            return dur
+        s = 1.0 / (1.0 - f)
+        if eng.run is not None:
+            eng.run = eng.run[:5] + (s,)
+        eng.slowdown = s
+        return dur * s
 
     def finish(self, now: float) -> Engine:
         """The current step ended at ``now``: apply it and free the device."""
@@ -169,11 +199,29 @@ class SimDevice:
     def outstanding(self) -> int:
         return sum(e.outstanding for e in self.engines)
 
-    def sync_lanes(self, now: float) -> None:
-        """The own tenant went from idle to active or back: lanes re-plan with their new share."""
+    def sync_lanes(self, now: float, force: bool = False) -> None:
+        """The own tenant went from idle to active or back (or its yield changed): lanes re-time their step."""
         if not self.lanes:
             return
         active = self.own_active()
         for lane in self.lanes:
-            if lane.cur is not None and lane.home_active != active:
-                lane.interrupt(now)
+            if lane.cur is not None and (force or lane.home_active != active):
+                lane.home_active = active
+                lane.retime(now, 1.0 / max(1e-6, lane.lane_share()))
+
+    def retime(self, now: float, slow: float) -> None:
+        """Change the speed of the step in flight: the work left runs at the new slowdown from ``now``."""
+        eng = self.cur
+        if eng is None:
+            return
+        if eng.run is not None and eng.step_n > 1:
+            self.interrupt(now)
+            return
+        old = eng.slowdown
+        if abs(old - slow) < 1e-12 or self.cur_end <= now:
+            return
+        left = (self.cur_end - now) / old * slow
+        eng.slowdown = slow
+        self.cur_end = now + left
+        self.version += 1
+        self.schedule(self, self.cur_end, self.version)

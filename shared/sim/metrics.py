@@ -60,16 +60,20 @@ def _group(rows: list, window: float, ttft_sla: np.ndarray | None = None) -> dic
             "ttft_ms": _pct(ttft), "tpot_ms": _pct(tpot)}
 
 
-def _violations(rows: list, ttft_s: float, tpot_s: float) -> int:
-    v = 0
+def _violations(rows: list, ttft_s: float, tpot_s: float) -> tuple[int, dict[str, int]]:
+    """Violating requests, and why: not served, TTFT over target, TPOT over target (a request counts once)."""
+    v, why = 0, {"not_served": 0, "ttft": 0, "tpot": 0}
     for r in rows:
         if r.status != DONE:
-            v += 1
+            why["not_served"] += 1
         elif r.first_token - r.arrival > ttft_s:
-            v += 1
+            why["ttft"] += 1
         elif r.output > 1 and (r.finish - r.first_token) / (r.output - 1) > tpot_s:
-            v += 1
-    return v
+            why["tpot"] += 1
+        else:
+            continue
+        v += 1
+    return v, why
 
 
 def downsample_peak(timeline: list[tuple[float, int]], end: float, points: int) -> list[list[float]]:
@@ -96,18 +100,20 @@ def collect(sim: "Simulator", workload: "Workload", window: float) -> SimResult:
     by_tenant: dict[str, list] = {}
     for r in sim.requests:
         by_tenant.setdefault(r.tenant, []).append(r)
-    tenants, viol_total = {}, 0
+    tenants, viol_total, why_total = {}, 0, {}
     for name, rows in sorted(by_tenant.items()):
         sla = sim.snapshot.tenants[name].sla
         g = _group(rows, window)
-        v = _violations(rows, sla.ttft_ms / 1000.0, sla.tpot_ms / 1000.0)
+        v, why = _violations(rows, sla.ttft_ms / 1000.0, sla.tpot_ms / 1000.0)
         viol_total += v
-        g.update(violations=v, violation_rate=v / len(rows) if rows else 0.0,
+        for k, n in why.items():
+            why_total[k] = why_total.get(k, 0) + n
+        g.update(violations=v, violation_rate=v / len(rows) if rows else 0.0, violations_by_cause=why,
                  sla={"ttft_ms": sla.ttft_ms, "tpot_ms": sla.tpot_ms})
         tenants[name] = g
     total = _group(sim.requests, window)
     n = len(sim.requests)
-    total.update(violations=viol_total, violation_rate=viol_total / n if n else 0.0)
+    total.update(violations=viol_total, violation_rate=viol_total / n if n else 0.0, violations_by_cause=why_total)
     end = sim.now
     devices, timeline = {}, {}
     span = max(end, window)

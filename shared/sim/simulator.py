@@ -112,7 +112,7 @@ class Simulator:
             if not self._evict_idle_engine(dev, wb):
                 return None
         eng = Engine(self.next_id("e"), tenant, dev, cost, self.cfg, self._on_first_token, self._on_finish, wb)
-        eng.slowdown = 1.0 / max(1e-6, 1.0 - dev.guest_share())
+        eng.tpot_s = self.snapshot.tenants[tenant].sla.tpot_ms / 1000.0
         dev.engines.append(eng)
         if tenant not in dev.state.tenants:
             dev.state.tenants.append(tenant)
@@ -160,6 +160,7 @@ class Simulator:
         m = dev.mem
         s.used_bytes, s.kv_bytes, s.staged_bytes = m.used, m.by_kind["kv"], m.by_kind["staged"]
         s.busy = dev.cur is not None
+        s.guest_yield = dev.f_dyn
         s.busy_until_s = dev.cur_end if s.busy else self.now
         if dev.lanes or s.guest_engines:
             s.guest_engines = {e.tenant: (e.outstanding, e.queued_prefill, not e.draining)

@@ -1,0 +1,87 @@
+"""Every registered policy runs through the simulator on a small workload; registry and config errors are clear."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.policies import POLICIES, PolicyConfigError, make_policy
+from shared.policies.sizing import device_counts
+from shared.registry import UnknownNameError
+from shared.sim import SimConfig, Simulator
+from shared.sim.synthetic import bursty_workload, small_cluster, small_tenants
+
+EXPECTED = {"container", "container-realloc", "muxserve", "token-pool", "slice", "pooled-bound"}
+
+
+def test_registry_has_every_policy():
+    assert EXPECTED <= set(POLICIES.names())
+    assert POLICIES.get("pooled-bound").simulation_only
+
+
+def test_unknown_policy_lists_valid_names():
+    with pytest.raises(UnknownNameError) as e:
+        make_policy("nope")
+    assert "container" in str(e.value) and "slice" in str(e.value)
+
+
+def test_bad_policy_parameter_is_named():
+    with pytest.raises(PolicyConfigError, match="bogus"):
+        make_policy("slice", {"bogus": 1})
+    with pytest.raises(PolicyConfigError, match="lease_s"):
+        make_policy("slice", {"lease_s": "long"})
+    assert make_policy("slice", {"lease_s": "3"}).config.lease_s == 3.0
+
+
+@pytest.fixture(scope="module")
+def small():
+    c = small_cluster(6, 3)
+    t = small_tenants(c, ["llama-7b", "llama-7b", "llama-7b", "llama-13b"])
+    w = bursty_workload(t, [8.0, 2.0, 0.5, 0.5], 40.0, random.Random(4), burst_factor=6.0)
+    return c, t, w
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_policy_runs_and_keeps_memory_safe(small, name):
+    c, t, w = small
+    sim = Simulator(c, t, make_policy(name), SimConfig(), random.Random(0))
+    r = sim.run(w)
+    assert r.total["requests"] == len(w.requests)
+    assert r.total["completed"] > 0.9 * len(w.requests)
+    assert 0.0 <= r.violation_rate <= 1.0 and r.tokens_per_s > 0
+    for d in sim.devices.values():
+        assert all(b <= d.mem.limit for _, b in d.mem.timeline), d.id
+    assert r.policy["name"] == name
+
+
+def test_container_sizing_is_proportional_with_minimum_one():
+    counts = device_counts({"a": 10.0, "b": 5.0, "c": 0.1, "d": 0.0}, 8)
+    assert counts == {"a": 4, "b": 2, "c": 1, "d": 1}
+    assert sum(device_counts({"a": 3.0, "b": 1.0}, 32).values()) == 32
+    with pytest.raises(PolicyConfigError):
+        device_counts({"a": 1.0, "b": 1.0, "c": 1.0}, 2)
+
+
+def test_container_routes_to_least_loaded_device_of_its_container(small):
+    c, t, w = small
+    sim = Simulator(c, t, make_policy("container"), SimConfig(), random.Random(0))
+    sim.run(w)
+    pol = sim.policy
+    assert sorted(d for ds in pol.devices_of.values() for d in ds) == sorted(d.id for d in c.devices)
+    assert len(pol.devices_of["t0"]) >= len(pol.devices_of["t3"])  # the busiest tenant got the most devices
+    for r in sim.requests:  # a request only ever ran on its own tenant's container
+        if r.engine is not None:
+            assert r.engine.device.id in pol.devices_of[r.tenant]
+
+
+def test_slice_leases_help_the_bursty_tenant_without_hurting_the_others(small):
+    c, t, w = small
+    res = {}
+    for name in ("container", "slice"):
+        sim = Simulator(c, t, make_policy(name), SimConfig(), random.Random(0))
+        res[name] = sim.run(w)
+    s, k = res["slice"], res["container"]
+    assert s.leases["granted"] > 0
+    assert s.violation_rate <= k.violation_rate
+    hot = "t0"
+    assert s.tenants[hot]["ttft_ms"]["p99"] <= k.tenants[hot]["ttft_ms"]["p99"]

@@ -132,6 +132,9 @@ class WorkerHeartbeat(Msg, frozen=True, kw_only=True):
     running: int = 0
     queued: int = 0
     busy_ratio: float = 0.0  # since the previous heartbeat
+    # guest lanes ("sequences" leases): (tenant, outstanding, queued prompt tokens, accepting)
+    guest_lanes: list[tuple[str, int, int, bool]] = []
+    guest_share: float = 0.0  # share of this device's time the lanes may take while the home tenant has work
 
 
 class StepReport(Msg, frozen=True, kw_only=True):
@@ -145,6 +148,7 @@ class StepReport(Msg, frozen=True, kw_only=True):
     busy_ms: float
     segments: list[SegmentStat] = []
     busy_intervals: list[tuple[float, float]] = []  # (start_ts, end_ts) of iterations, merged when adjacent
+    guest_intervals: list[tuple[str, float, float]] = []  # (tenant, start_ts, end_ts) of guest-lane iterations
     kv_used_bytes: int = 0
 
 

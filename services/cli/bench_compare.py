@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -43,12 +42,20 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-scale", type=float, default=4.0)
     p.add_argument("--tolerance", type=float, default=0.04, help="stop when hi/lo < 1 + tolerance")
     p.add_argument("--max-scale", type=float, default=256.0)
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="points run in parallel")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="policies searched in parallel (>1: each point in its own process)")
     p.add_argument("--json", dest="json_out", default=None)
 
 
 def run_sim_point(args: argparse.Namespace, policy: str, scale: float) -> dict[str, Any]:
-    """One simulator run in a subprocess (JSON out; keeps runs independent and uses both cores)."""
+    """One simulator run: in this process with ``--jobs 1``, else in a subprocess (JSON out) so that several
+    points use several cores."""
+    keep = ("tokens_per_s", "violation_rate", "events", "wall_s", "leases")
+    if args.jobs <= 1:
+        from services.cli.simulate import load_workload_file, simulate
+        w = load_workload_file(args.workload, scale, args.seed, args.duration_s)
+        r = simulate(_cluster(args.cluster), w, policy, seed=args.seed)
+        return {k: r[k] for k in keep if k in r} | {"device_utilization_mean": r["total"]["device_utilization_mean"]}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "services.cli.main", "simulate", "--cluster", args.cluster, "--workload",
@@ -61,8 +68,16 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float) -> dict[s
         if p.returncode != 0:
             raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
         r = json.loads(out.read_text())
-    keep = ("tokens_per_s", "violation_rate", "events", "wall_s", "leases")
     return {k: r[k] for k in keep if k in r} | {"device_utilization_mean": r["total"]["device_utilization_mean"]}
+
+
+_CLUSTERS: dict[str, Any] = {}
+
+
+def _cluster(path: str):
+    if path not in _CLUSTERS:
+        _CLUSTERS[path] = load_cluster(path)
+    return _CLUSTERS[path]
 
 
 def _runner(fidelity: str) -> Callable[[argparse.Namespace, str, float], dict[str, Any]]:

@@ -27,6 +27,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "transport": ("services.cli.bench_transport", "tensor transport bandwidth/latency per backend"),
     "whatif": ("services.cli.bench_whatif", "what-if RPC latency on a synthetic twin"),
     "simspeed": ("services.cli.bench_simspeed", "simulator speed: events/s on a trace"),
+    "overload": ("services.cli.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
 }
 
 

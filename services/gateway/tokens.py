@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import redis.asyncio as aioredis
 import structlog
@@ -34,6 +35,7 @@ class PendingRequest:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     next_seq: int = 0
     buffer: dict[int, TokenChunk] = field(default_factory=dict)
+    on_first_token: Callable[[], None] | None = None  # called once, when the first chunk with tokens is routed
 
 
 class TokenRouter:
@@ -49,8 +51,9 @@ class TokenRouter:
         self.duplicates = self.unknown = self.foreign = self.undecodable = self.read_errors = 0
 
     # ------------------------------------------------------------ registry
-    def register(self, request_id: str, tenant: str) -> PendingRequest:
-        p = self._pending[request_id] = PendingRequest(request_id, tenant)
+    def register(self, request_id: str, tenant: str,
+                 on_first_token: Callable[[], None] | None = None) -> PendingRequest:
+        p = self._pending[request_id] = PendingRequest(request_id, tenant, on_first_token=on_first_token)
         return p
 
     def unregister(self, request_id: str) -> None:
@@ -85,8 +88,12 @@ class TokenRouter:
             return
         p.buffer[msg.seq] = msg
         while p.next_seq in p.buffer:
-            p.queue.put_nowait(p.buffer.pop(p.next_seq))
+            chunk = p.buffer.pop(p.next_seq)
+            p.queue.put_nowait(chunk)
             p.next_seq += 1
+            if chunk.token_ids and p.on_first_token is not None:
+                cb, p.on_first_token = p.on_first_token, None
+                cb()
 
     def fail_all(self, status: int, code: str, message: str) -> None:
         """Deliver an error to every pending request (the stream cannot be read)."""

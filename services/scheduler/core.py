@@ -37,6 +37,8 @@ class DeviceView:
     heartbeat_ts: float = 0.0
     running: int = 0
     assigned: int = 0  # requests placed by us and not finished
+    guest_lanes: list = field(default_factory=list)  # (tenant, outstanding, queued tokens, accepting) per lane
+    guest_share: float = 0.0
 
     @property
     def free(self) -> int:

@@ -14,7 +14,8 @@ from shared.gmg import GMGStore, Refused
 from shared.gmg.leases import Lease, LeaseStore
 from shared.messages import LeaseGranted, LeaseRevoked, worker_stream
 from shared.model.graph import ModelGraph
-from shared.policies import (ClusterSnapshot, DeviceState, GrantLease, LeaseState, RevokeLease, TenantState)
+from shared.policies import (ClusterSnapshot, DeviceState, ExtendLease, GrantLease, LeaseState, RevokeLease,
+                             TenantState)
 from shared.streams import StreamProducer
 from services.scheduler.core import DeviceView, SchedulerCore
 
@@ -75,6 +76,8 @@ class SnapshotBuilder:
                 queued_prefill_tokens=sum(len(p.req.prompt_ids) for p in q.values()) // n_home,
                 decode_kv_tokens=per_dev_ctx.get(d.id, 0), oldest_pending_s=oldest,
                 busy=float(row.get("busy_ratio") or 0) > 0.5 or bool(v and v.assigned), guest_share=share,
+                guest_yield=v.guest_share if v else 0.0,
+                guest_engines={t: (n, q, acc) for (t, n, q, acc) in (v.guest_lanes if v else [])},
                 resident=resident, draining=not (v.up if v else False))
         tenants = {}
         for t in self.tenants.tenants:
@@ -97,13 +100,16 @@ class LeaseManager:
         self.p, self.store, self.producer, self.tenants = prefix, store, producer, tenants
         self.leases_store = LeaseStore(store)
         self.active: dict[str, LeaseState] = {}
-        self.granted = self.revoked = self.expired = self.refused = 0
+        self.granted = self.revoked = self.expired = self.refused = self.extended = 0
         self.activation_bytes = activation_bytes
         self._seg_bytes = {t.name: {s.name: s.weight_bytes for s in ModelGraph.from_config(t.model.config).segments}
                            for t in tenants.tenants}
 
     async def grant(self, g: GrantLease, now: float) -> LeaseState | None:
-        missing = {s: self._seg_bytes[g.tenant][s] for s in g.segments}
+        if tuple(g.segments) == ("*",):  # "sequences" mode: the whole model is staged on the guest
+            missing = {"*": sum(self._seg_bytes[g.tenant].values())}
+        else:
+            missing = {s: self._seg_bytes[g.tenant][s] for s in g.segments}
         staged = await self.leases_store.stage(g.guest_device, g.tenant, missing)
         if isinstance(staged, Refused) and staged.reason != "already_resident":
             self.refused += 1
@@ -118,16 +124,17 @@ class LeaseManager:
             log.info("lease_refused", tenant=g.tenant, guest=g.guest_device, reason=res.reason, detail=res.detail)
             return None
         st = LeaseState(lid, g.tenant, g.home_device, g.guest_device, tuple(g.segments), now, now + g.duration_s,
-                        g.memory_bytes + self.activation_bytes, g.share, state="active")
+                        g.memory_bytes + self.activation_bytes, g.share, mode=getattr(g, "mode", "segments"),
+                        state="active")
         self.active[lid] = st
         self.granted += 1
         msg = dict(lease_id=lid, tenant=g.tenant, home_device=g.home_device, guest_device=g.guest_device,
                    segments=list(g.segments), start_ts=now, end_ts=now + g.duration_s, share=g.share,
-                   memory_bytes=st.memory_bytes)
+                   memory_bytes=st.memory_bytes, mode=st.mode)
         await self.producer.add_many([(worker_stream(self.p, g.guest_device), LeaseGranted(msg_id=uuid.uuid4().hex, **msg)),
                                       (worker_stream(self.p, g.home_device), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))])
         log.info("lease_granted", tenant=g.tenant, lease_id=lid, home=g.home_device, guest=g.guest_device,
-                 segments=",".join(g.segments), share=round(g.share, 2))
+                 segments=",".join(g.segments), share=round(g.share, 2), mode=st.mode)
         return st
 
     async def revoke(self, lease_id: str, reason: str, state: str = "revoked") -> bool:
@@ -156,12 +163,34 @@ class LeaseManager:
         for lid in [lid for lid, st in self.active.items() if device in (st.guest_device, st.home_device)]:
             await self.revoke(lid, reason)
 
+    async def extend(self, lease_id: str, duration_s: float, now: float) -> bool:
+        """Move an active lease's end; the GMG record and both workers (LeaseGranted re-sent, same id) follow."""
+        st = self.active.get(lease_id)
+        if st is None:
+            return False
+        st.end_s = now + duration_s
+        k = self.store.keys
+        pipe = self.store.redis.pipeline(transaction=True)
+        pipe.hset(k.lease(lease_id), "end_ts", f"{st.end_s:.6f}")
+        pipe.zadd(k.leases(st.guest_device), {lease_id: st.end_s})
+        pipe.incr(k.epoch)
+        await pipe.execute()
+        msg = dict(lease_id=lease_id, tenant=st.tenant, home_device=st.home_device, guest_device=st.guest_device,
+                   segments=list(st.segments), start_ts=st.start_s, end_ts=st.end_s, share=st.share,
+                   memory_bytes=st.memory_bytes, mode=st.mode)
+        await self.producer.add_many([(worker_stream(self.p, d), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))
+                                      for d in (st.guest_device, st.home_device)])
+        self.extended += 1
+        return True
+
     async def apply(self, actions: list, now: float) -> None:
         for a in actions:
             if isinstance(a, GrantLease):
                 await self.grant(a, now)
             elif isinstance(a, RevokeLease):
                 await self.revoke(a.lease_id, a.reason or "policy")
+            elif isinstance(a, ExtendLease):
+                await self.extend(a.lease_id, a.duration_s, now)
 
 
 def wall_now() -> float:

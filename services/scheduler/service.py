@@ -43,6 +43,7 @@ class SchedulerService:
         self.fence = TerminalFence(self.redis, self.p, name)
         self.shell = ServiceShell("scheduler", name, prefix=self.p, redis=self.redis)
         self.devices: dict[str, DeviceView] = {}
+        self._hb_seen: dict[str, float] = {}  # device -> newest WorkerHeartbeat.ts read from the events stream
         self.assigned: dict[str, tuple[str, InferenceRequest, str]] = {}  # request_id -> (device, req, worker_id)
         self.wake = asyncio.Event()
         self._blocking: list = []
@@ -265,9 +266,11 @@ class SchedulerService:
             await self._finished(msg.request_id, msg.device, "done" if msg.outcome in ("stop", "length")
                                  else msg.outcome if msg.outcome in ("cancelled", "failed") else "done")
         elif isinstance(msg, WorkerHeartbeat):
+            self._hb_seen[msg.device] = max(self._hb_seen.get(msg.device, 0.0), msg.ts)
             v = self.devices.get(msg.device)
             if v is not None:
                 v.heartbeat_ts, v.running = msg.ts, msg.running
+                v.guest_lanes, v.guest_share = list(msg.guest_lanes), msg.guest_share
                 if msg.worker_id and v.worker_id != msg.worker_id:
                     v.worker_id = msg.worker_id
                 v.up = True
@@ -308,7 +311,8 @@ class SchedulerService:
         self.rows = rows
         now = time.time()
         for did, h in rows.items():
-            hb = float(h.get("heartbeat_ts") or 0)
+            # heartbeats seen directly on the events stream count too: a GMG restart must not fail healthy work
+            hb = max(float(h.get("heartbeat_ts") or 0), self._hb_seen.get(did, 0.0))
             up = h.get("state") == "ready" and now - hb < HEARTBEAT_STALE_S
             v = self.devices.get(did)
             assigned = sum(1 for a in self.assigned.values() if a[0] == did)

@@ -45,6 +45,7 @@ class WhatIfClient:
         self._waiters: dict[str, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._pos = "0-0"
+        self._closing = False
 
     async def start(self) -> "WhatIfClient":
         last = await self.redis.xrevrange(self.stream, "+", "-", count=1)
@@ -53,6 +54,7 @@ class WhatIfClient:
         return self
 
     async def close(self) -> None:
+        self._closing = True  # redis-py may turn a cancelled read into a connection error: the loop checks this
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -87,10 +89,12 @@ class WhatIfClient:
         return reply
 
     async def _read_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 resp = await self._blocking.xread({self.stream: self._pos}, count=100, block=self.block_ms)
             except REDIS_ERRORS as e:
+                if self._closing:
+                    return
                 log.warning("whatif_reply_read_error", error=repr(e))
                 await asyncio.sleep(0.2)
                 continue

@@ -34,7 +34,7 @@ def main() -> int:
     setup_logging("worker", settings.log_format, settings.log_level, device=device.id)
     import torch
 
-    from services.worker.service import WorkerService, kv_blocks_for_device, worker_env_threads
+    from services.worker.service import WorkerService, kv_blocks_for_device, lane_kv_blocks, worker_env_threads
     from shared.model.engine import Engine
     from shared.model.loader import build_model
 
@@ -63,8 +63,17 @@ def main() -> int:
     except ValueError as e:
         print(f"worker: config error: environment: SLICESCHED_SEGMENT_*/SLICESCHED_LEASE_*: {e}", file=sys.stderr)
         return 2
+    from services.worker.lanes import GuestLanes
+
+    def lane_engine(t, kv_blocks):  # a guest lane's engine: the tenant's full model, staged from checkpoint/seed
+        m, tok = build_model(t.model, torch_device)
+        return Engine(m, tok, kv_blocks=kv_blocks, block_size=16, max_batch_tokens=engine.max_batch_tokens,
+                      max_running=engine.max_running)
+
+    lanes = GuestLanes({t.name: t for t in tenants.tenants if t.name != tenant.name}, lane_engine,
+                       lambda t: lane_kv_blocks(device, cluster.headroom_fraction, model.weight_bytes, t))
     asyncio.run(WorkerService(settings, cluster, device, tenant, engine, tenants=tenants,
-                              lease_options=lease_options).run())
+                              lease_options=lease_options, lanes=lanes).run())
     return 0
 
 

@@ -65,6 +65,15 @@ class StepAggregator:
     busy_ms: float = 0.0
     stats: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     intervals: list[tuple[float, float]] = field(default_factory=list)
+    guest: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def add_guest_step(self, tenant: str, start_ts: float, end_ts: float) -> None:
+        self.steps += 1
+        self.busy_ms += (end_ts - start_ts) * 1000.0
+        if self.guest and self.guest[-1][0] == tenant and start_ts - self.guest[-1][2] < 0.0005:
+            self.guest[-1] = (tenant, self.guest[-1][1], end_ts)
+        else:
+            self.guest.append((tenant, start_ts, end_ts))
 
     def add_step(self, start_ts: float, end_ts: float, batch_tokens: int, segment_ms: dict[str, float]) -> None:
         self.steps += 1
@@ -96,7 +105,7 @@ class StepAggregator:
                          window_start_ts=self.window_start_ts, window_end_ts=now, steps=self.steps,
                          busy_ms=self.busy_ms, kv_used_bytes=kv_used_bytes,
                          segments=[SegmentStat(seg, b, int(c), tot, sq) for (seg, b), (c, tot, sq) in self.stats.items()],
-                         busy_intervals=self.intervals[-512:])
+                         busy_intervals=self.intervals[-512:], guest_intervals=self.guest[-512:])
         self.window_start_ts, self.steps, self.busy_ms = now, 0, 0.0
-        self.stats, self.intervals = {}, []
+        self.stats, self.intervals, self.guest = {}, [], []
         return rep

@@ -22,6 +22,7 @@ from services.worker.segment_server import Reply, SegmentClient, TensorMover
 from services.worker.segment_wire import FrameError, WeightsQuery, WeightTensor, wire_dtype
 from shared.messages import LeaseGranted
 from shared.model.llama import LlamaModel
+from shared.model.pipeline import MIN_MICRO_BATCH_ROWS as MIN_ROWS
 
 log = structlog.get_logger(__name__)
 
@@ -59,8 +60,23 @@ class DriverLink:
 
     def timeout_s(self, key: tuple[str, int], opts: DriverOptions) -> float:
         pred = self.rtt_ms.get(key)
+        if pred is None and self.rtt_ms:  # a new batch size: the slowest one measured so far
+            pred = max(self.rtt_ms.values())
         ms = opts.timeout_floor_ms if pred is None else max(opts.timeout_floor_ms, opts.timeout_factor * pred)
         return min(ms, opts.timeout_cap_ms) / 1e3
+
+    def warm_up(self, client: SegmentClient, mover: TensorMover, hidden_size: int, dtype: torch.dtype,
+                timeout_s: float = 5.0) -> str:
+        """One call on a fresh connection (guest thread start-up, first kernels) that also seeds the round-trip
+        estimate; returns the guest's error code, or "" when it answered."""
+        x = torch.zeros(MIN_ROWS, hidden_size, dtype=dtype)
+        t0 = time.monotonic()
+        cid = client.call(self.lease.lease_id, self.lease.tenant, self.lease.segments[0], -1, x, mover,
+                          self.lease.guest_device, timeout_s)
+        res, _ = client.result(cid, t0 + timeout_s)
+        if not res.error:
+            self.rtt_ms[(self.lease.segments[0].split("[", 1)[0], MIN_ROWS)] = (time.monotonic() - t0) * 1e3
+        return res.error
 
     def broken(self, why: str) -> None:
         if self.state == "ready":

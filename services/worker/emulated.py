@@ -147,7 +147,16 @@ def main() -> int:
             blocks = kv_blocks_for_device(dev, cluster.headroom_fraction, cfg.weight_bytes(),
                                           cfg.kv_bytes_per_token() * 16)
             eng = EmulatedEngine(cfg, dev.kind, kv_blocks=blocks, seed=i, time_scale=scale)
-            services.append(WorkerService(settings, cluster, dev, tenant, eng, tenants=tenants))
+            from services.worker.lanes import GuestLanes
+            from services.worker.service import lane_kv_blocks
+
+            def lane_engine(t, kv_blocks, _kind=dev.kind, _i=i):
+                return EmulatedEngine(t.model.config, _kind, kv_blocks=kv_blocks, seed=1000 + _i, time_scale=scale)
+
+            lanes = GuestLanes({t.name: t for t in tenants.tenants if t.name != tenant.name}, lane_engine,
+                               lambda t, _d=dev, _w=cfg.weight_bytes(): lane_kv_blocks(_d, cluster.headroom_fraction,
+                                                                                       _w, t))
+            services.append(WorkerService(settings, cluster, dev, tenant, eng, tenants=tenants, lanes=lanes))
         await asyncio.gather(*(s.run() for s in services))
 
     asyncio.run(run_all())

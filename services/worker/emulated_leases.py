@@ -59,7 +59,7 @@ class EmulatedLeaseAgent:
         me = self.device.id
         if isinstance(msg, LeaseGranted):
             if msg.mode != "segments":
-                log.warning("lease_mode_unsupported", lease_id=msg.lease_id, mode=msg.mode)
+                log.info("lease_mode_not_handled_here", lease_id=msg.lease_id, mode=msg.mode)
                 return
             if msg.home_device == me:
                 self.driving.setdefault(msg.lease_id, _Lease(msg))

@@ -136,7 +136,7 @@ class LeaseAgent:
         me = self.device.id
         if isinstance(msg, LeaseGranted):
             if msg.mode != "segments":
-                log.warning("lease_mode_unsupported", lease_id=msg.lease_id, mode=msg.mode)
+                log.info("lease_mode_not_handled_here", lease_id=msg.lease_id, mode=msg.mode)
                 return
             if msg.guest_device == me and self.guest is not None:
                 self.guest.grant(msg.lease_id, msg.tenant, msg.home_device, list(msg.segments), msg.end_ts, msg.share)
@@ -200,8 +200,13 @@ class LeaseAgent:
                     rep, _ = await asyncio.to_thread(client.request, LeaseStatusQuery(lease_id=lz.lease_id), 2.0)
                     state = getattr(rep, "state", "unknown")
                     if state == "ready":
+                        m = self.engine.model
+                        err = await asyncio.to_thread(link.warm_up, client, self.mover, m.cfg.hidden_size, m.dtype)
+                        if err:
+                            raise ConnectionError(f"guest refused the warm-up call: {err}")
                         link.client, link.state, backoff = client, "ready", 0.05
-                        log.info("driver_lease_ready", lease_id=lz.lease_id, guest=lz.guest_device, addr=addr)
+                        log.info("driver_lease_ready", lease_id=lz.lease_id, guest=lz.guest_device, addr=addr,
+                                 warmup_ms=round(max(link.rtt_ms.values()), 2))
                         break
                     if state in ("ended", "failed"):
                         self._end_link(link, f"guest reports {state}: {getattr(rep, 'detail', '')}")

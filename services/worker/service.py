@@ -32,8 +32,10 @@ HEARTBEAT_S = 0.5
 
 class WorkerService:
     def __init__(self, settings: Settings, cluster: ClusterConfig, device: DeviceConfig, tenant: TenantConfig,
-                 engine: Engine, *, tenants: TenantsConfig | None = None, lease_options=None) -> None:
+                 engine: Engine, *, tenants: TenantsConfig | None = None, lease_options=None, lanes=None) -> None:
         self.s, self.cluster, self.device, self.tenant, self.engine = settings, cluster, device, tenant, engine
+        self.lanes = lanes  # GuestLanes for "sequences" leases (services/worker/lanes.py), or None
+        self.engine_of: dict[str, Engine] = {}  # request id -> the engine running it (home or a guest lane)
         self.p = settings.prefix
         self.worker_id = instance_id(f"worker-{device.id}")
         self.redis = command_client(settings.redis_url, name=f"worker-{device.id}")
@@ -137,12 +139,28 @@ class WorkerService:
             state = await self.redis.hget(req_key(self.p, rid), "state")
             if state is not None and state.decode() in TERMINAL_STATES:
                 return ACK  # failed/cancelled while we were away: fenced
+            if msg.request.tenant != self.tenant.name:
+                lane = self.lanes.engine_for(msg.request.tenant) if self.lanes is not None else None
+                if lane is None:  # placed here without an accepting guest lane: a clean, retryable refusal
+                    self.tracker.add(msg.request, d.entry_id, msg.kv_blocks)
+                    await self._end(rid, "failed", error=(503, "guest_lane_unavailable",
+                                                          "the guest lane for this tenant closed; retry"))
+                    return DEFER
+                self.engine_of[rid] = lane
             self.tracker.add(msg.request, d.entry_id, msg.kv_blocks)
             self.pending_ops.append(("add", msg))
             self.wake.set()
             await self.redis.hset(req_key(self.p, rid), mapping={"state": "running", "running_ts": time.time(),
                                                                  "worker_id": self.worker_id})
             return DEFER  # acked when the request ends
+        if isinstance(msg, LeaseGranted) and msg.mode == "sequences":
+            if msg.guest_device == self.device.id and self.lanes is not None:
+                self.lanes.on_granted(msg)
+                self.wake.set()
+            return ACK
+        if isinstance(msg, LeaseRevoked) and self.lanes is not None and msg.guest_device == self.device.id \
+                and msg.tenant in self.lanes.lanes:
+            self.lanes.on_revoked(msg)
         if isinstance(msg, (LeaseGranted, LeaseRevoked)):
             if self.lease_agent is not None:
                 await self.lease_agent.on_message(msg)
@@ -161,7 +179,10 @@ class WorkerService:
         loop = asyncio.get_running_loop()
         while not self.shell.stop.is_set():
             await self._apply_ops()
-            if not self.engine.has_work():
+            await self._stage_lanes(loop)
+            eng = self.lanes.next_engine(self.engine) if self.lanes is not None else \
+                (self.engine if self.engine.has_work() else None)
+            if eng is None:
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=0.5)
@@ -170,18 +191,38 @@ class WorkerService:
                 continue
             t0 = time.time()
             try:
-                res = await loop.run_in_executor(self.compute, self._step)
+                res = await loop.run_in_executor(self.compute, self._step if eng is self.engine else eng.step)
             except Exception as e:  # a failed step fails its batch, not the worker
                 log.exception("engine_step_failed")
                 for rid in list(self.tracker.items):
-                    if rid in self.engine.running_ids() or rid in self.engine.waiting_ids():
-                        self.engine.cancel(rid)
+                    if rid in eng.running_ids() or rid in eng.waiting_ids():
+                        eng.cancel(rid)
                         await self._end(rid, "failed", error=(500, "engine_error", f"generation failed: {e!r}"))
                 continue
             t1 = time.time()
             self._busy_s += t1 - t0
-            self.agg.add_step(t0, t1, res.prefill_tokens + res.decode_tokens, res.segment_ms)
+            if eng is self.engine:
+                self.agg.add_step(t0, t1, res.prefill_tokens + res.decode_tokens, res.segment_ms)
+            else:
+                self.agg.add_guest_step(next((ln.tenant for ln in self.lanes.lanes.values() if ln.engine is eng), "?"),
+                                        t0, t1)
+            if self.lanes is not None:
+                self.lanes.record(eng is not self.engine, t0, t1)
             await self.publish_q.put(res.events)
+
+    async def _stage_lanes(self, loop) -> None:
+        """Stage guest-lane engines ("sequences" leases) between iterations, on the compute thread."""
+        if self.lanes is None:
+            return
+        for t in list(self.lanes.lanes):
+            if self.lanes.needs_staging(t):
+                self.lanes.lanes[t].staging = True
+                try:
+                    await loop.run_in_executor(self.compute, self.lanes.stage, t)
+                except Exception:
+                    log.exception("lane_staging_failed", tenant=t)
+                finally:
+                    self.lanes.lanes[t].staging = False
 
     async def _apply_ops(self) -> None:
         ops, self.pending_ops = self.pending_ops, []
@@ -191,15 +232,19 @@ class WorkerService:
                 params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                         seed=r.seed, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
                 try:
-                    self.engine.add(r.request_id, list(r.prompt_ids), params)
+                    self.engine_of.get(r.request_id, self.engine).add(r.request_id, list(r.prompt_ids), params)
                 except ValueError as e:
                     await self._end(r.request_id, "failed", error=(400, "invalid_request", str(e)))
                     continue
-                await self.producer.add(events_stream(self.p), RequestStarted(
-                    msg_id=uuid.uuid4().hex, request_id=r.request_id, tenant=r.tenant, device=self.device.id,
-                    ts=time.time()), maxlen=EVENTS_MAXLEN)
+                try:  # informational (GMG tracking): a Redis blip must not stop the compute loop
+                    await self.producer.add(events_stream(self.p), RequestStarted(
+                        msg_id=uuid.uuid4().hex, request_id=r.request_id, tenant=r.tenant, device=self.device.id,
+                        ts=time.time()), maxlen=EVENTS_MAXLEN)
+                except REDIS_ERRORS as e:
+                    log.warning("request_started_not_published", request_id=r.request_id, error=repr(e))
             else:
-                if self.engine.cancel(msg.request_id) or msg.request_id in self.tracker.items:
+                eng = self.engine_of.get(msg.request_id, self.engine)
+                if eng.cancel(msg.request_id) or msg.request_id in self.tracker.items:
                     await self._end(msg.request_id, "cancelled" if msg.reason != "worker_failed" else "failed")
 
     async def _publish_loop(self) -> None:
@@ -248,23 +293,37 @@ class WorkerService:
     async def _end(self, rid: str, outcome: str, error: tuple[int, str, str] | None = None) -> None:
         """A request left this device: tell the gateway (on error), the GMG/scheduler, and ack its entry."""
         t = self.tracker.items.pop(rid, None)
+        self.engine_of.pop(rid, None)
         if t is None:
             return
         now = time.time()
+        err_msg = None
         if error is not None:
             status, code, message = error
-            if await self.fence.claim(rid, "failed"):
-                await self.producer.add(tokens_stream(self.p, t.req.gateway), RequestError(
-                    msg_id=uuid.uuid4().hex, request_id=rid, tenant=t.req.tenant, status=status, code=code,
-                    message=message, retryable=status >= 500), maxlen=TOKENS_MAXLEN)
-            else:
-                self.m_fenced.labels(self.device.id).inc()
-        await self.producer.add(events_stream(self.p), RequestFinished(
+            err_msg = RequestError(msg_id=uuid.uuid4().hex, request_id=rid, tenant=t.req.tenant, status=status,
+                                   code=code, message=message, retryable=status >= 500)
+        fin = RequestFinished(
             msg_id=uuid.uuid4().hex, request_id=rid, tenant=t.req.tenant, device=self.device.id, outcome=outcome,
             prompt_tokens=len(t.req.prompt_ids), completion_tokens=t.completion_tokens, kv_blocks=t.kv_blocks, ts=now,
             ttft_ms=(t.first_token_ts - t.started_ts) * 1000 if t.first_token_ts else 0.0,
-            e2e_ms=(now - t.started_ts) * 1000), maxlen=EVENTS_MAXLEN)
-        await self.consumer.ack(t.entry_id)
+            e2e_ms=(now - t.started_ts) * 1000)
+        delay, t0 = 0.1, time.monotonic()
+        while True:  # retried through Redis trouble: every step is idempotent (same claimant, same msg ids)
+            try:
+                if err_msg is not None:
+                    if await self.fence.claim(rid, "failed"):
+                        await self.producer.add(tokens_stream(self.p, t.req.gateway), err_msg, maxlen=TOKENS_MAXLEN)
+                    else:
+                        self.m_fenced.labels(self.device.id).inc()
+                await self.producer.add(events_stream(self.p), fin, maxlen=EVENTS_MAXLEN)
+                await self.consumer.ack(t.entry_id)
+                return
+            except REDIS_ERRORS as e:
+                log.warning("request_end_retry", request_id=rid, error=repr(e))
+                if self.shell.stop.is_set() and time.monotonic() - t0 > 5:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     # ------------------------------------------------------------ reports
     async def _heartbeat_loop(self) -> None:
@@ -289,7 +348,9 @@ class WorkerService:
                              state="draining" if self.shell.stop.is_set() else "ready",
                              capacity_bytes=self.device.memory_bytes, weight_bytes=e.weight_bytes,
                              kv_used_bytes=kv_used, kv_total_bytes=e.kv_blocks_total * e.kv_bytes_per_block,
-                             running=len(e.running_ids()), queued=len(e.waiting_ids()), busy_ratio=min(1.0, busy))
+                             running=len(e.running_ids()), queued=len(e.waiting_ids()), busy_ratio=min(1.0, busy),
+                             guest_lanes=self.lanes.status() if self.lanes is not None else [],
+                             guest_share=self.lanes.share() if self.lanes is not None else 0.0)
         items = [(events_stream(self.p), hb)]
         if self.lease_agent is not None:
             for name, rows, ms in self.lease_agent.drain_segment_stats():
@@ -311,6 +372,15 @@ def kv_blocks_for_device(device: DeviceConfig, headroom_fraction: float, weight_
     if cap_bytes:
         budget = min(budget, cap_bytes)
     return max(0, budget // bytes_per_block)
+
+
+def lane_kv_blocks(device: DeviceConfig, headroom_fraction: float, home_weight_bytes: int, guest: TenantConfig,
+                   fraction: float = 0.25) -> int:
+    """KV pool of a guest lane: a fraction of what the device has left after its home weights. The GMG's
+    per-request reservations keep the device's total under its limit; this only bounds the lane's own pool."""
+    cfg = guest.model.config
+    budget = int(device.memory_bytes * (1 - headroom_fraction)) - home_weight_bytes - cfg.weight_bytes()
+    return max(1, int(budget * fraction) // (cfg.kv_bytes_per_token() * 16))
 
 
 def worker_env_threads(device: DeviceConfig) -> int:

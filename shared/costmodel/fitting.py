@@ -6,12 +6,14 @@ bucket) (:mod:`shared.costmodel.model_cost`). Given measured mean times of whole
 (:mod:`shared.costmodel.profiling`), the effective rates ``peak·eff`` of every (class, bucket) and the launch
 overhead are found by Levenberg–Marquardt on the squared log-ratio of predicted to measured time (so the fit
 minimises relative error, what MAPE scores), each point weighted by the precision of its mean. A weak
-smoothness penalty across neighbouring buckets settles rates the data cannot separate. Peaks are the larger of
-the reference measurement and the fastest fitted rate, so every efficiency stays in (0, 1]. Pure numpy.
+smoothness penalty across neighbouring buckets settles rates the data cannot separate. Rates are capped at the
+measured peaks (the fastest GEMM and copy), so every efficiency is a fraction in (0, 1]. Pure numpy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -92,7 +94,7 @@ class _Problem:
                 tb.append(int(np.searchsorted(buckets, rows, side="left")))
                 fl.append(f)
                 by.append(b)
-            y.append(m.mean_ms / 1e3)
+            y.append(m.value_ms / 1e3)
             w.append(1.0 / (m.rel_se ** 2 + 0.02 ** 2))
         self.nc, self.nb = len(OP_CLASSES), len(buckets) + 1
         self.tp, self.tc, self.tb = np.array(tp), np.array(tc), np.array(tb)
@@ -160,6 +162,10 @@ def fit_rates(data: Sequence[tuple[ModelConfig, Measurement]], *, peak_flops: fl
             r = np.log(pr.predict(th)[0]) - log_y
             return float(np.sum(pr.w * r * r) + np.sum((D @ th) ** 2) + ridge * np.sum((th - theta0) ** 2))
 
+        cap = np.full(pr.nparams, np.inf)
+        cap[:pr.nc * pr.nb] = np.log(peak_flops)
+        cap[pr.nc * pr.nb:2 * pr.nc * pr.nb] = np.log(mem_bandwidth)
+        theta0 = np.minimum(theta0, cap)
         theta, cur, lam, it = theta0.copy(), loss(theta0), 1e-2, 0
         for it in range(1, max_iter + 1):
             pred, J = pr.jacobian(theta)
@@ -169,7 +175,7 @@ def fit_rates(data: Sequence[tuple[ModelConfig, Measurement]], *, peak_flops: fl
             improved = False
             for _ in range(12):
                 step = np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-9), -g)
-                cand = theta + np.clip(step, -3.0, 3.0)
+                cand = np.minimum(theta + np.clip(step, -3.0, 3.0), cap)
                 new = loss(cand)
                 if new < cur:
                     improved = abs(cur - new) > 1e-10 * max(1.0, cur)
@@ -207,38 +213,67 @@ def _fill_unobserved(rates: np.ndarray, observed: np.ndarray) -> None:
 def build_profile(fit: FitResult, *, kind: str, peak_flops: float, mem_bandwidth: float, memory_bytes: int,
                   links: dict[str, LinkSpec], step_overhead_s: float = 0.0, buckets: Sequence[int] = BUCKETS,
                   source: str = "measured") -> DeviceProfile:
-    """A :class:`DeviceProfile` from fitted rates: peaks raised to the fastest fitted rate so every efficiency
-    is a fraction in (0, 1]. Embedding operators do no arithmetic; their compute efficiency is set to 1."""
+    """A :class:`DeviceProfile` from rates fitted under the caps ``peak_flops`` and ``mem_bandwidth``.
+    Embedding operators do no arithmetic; their compute efficiency is set to 1."""
     emb = OP_CLASSES.index("embedding")
-    used = np.ones_like(fit.observed)
-    used[emb] = False
-    peak_c = max(peak_flops, float(fit.compute_rate[used].max()))
-    peak_m = max(mem_bandwidth, float(fit.memory_rate.max()))
+    peak_c, peak_m = float(peak_flops), float(mem_bandwidth)
     ce = np.clip(fit.compute_rate / peak_c, MIN_EFF, 1.0)
     ce[emb] = 1.0
     me = np.clip(fit.memory_rate / peak_m, MIN_EFF, 1.0)
     launch = {c: float(fit.launch_s[i]) for i, c in enumerate(OP_CLASSES)}
     uniform = len(set(launch.values())) == 1
-    prof = DeviceProfile(kind=kind, source=source, peak_flops=peak_c, mem_bandwidth=peak_m,
-                         memory_bytes=int(memory_bytes), launch_overhead_s=float(fit.launch_s[0]), links=dict(links),
-                         buckets=tuple(buckets),
+    return DeviceProfile(kind=kind, source=source, peak_flops=peak_c, mem_bandwidth=peak_m,
+                         memory_bytes=int(memory_bytes), launch_overhead_s=float(np.median(fit.launch_s)),
+                         links=dict(links), buckets=tuple(buckets),
                          compute_eff={c: tuple(float(x) for x in ce[i]) for i, c in enumerate(OP_CLASSES)},
-                         memory_eff={c: tuple(float(x) for x in me[i]) for i, c in enumerate(OP_CLASSES)})
-    extra = {}
-    if hasattr(prof, "step_overhead_s"):
-        extra["step_overhead_s"] = float(step_overhead_s)
-    if not uniform and hasattr(prof, "launch_overhead_by_class"):
-        extra["launch_overhead_by_class"] = launch
-    return replace(prof, **extra) if extra else prof
+                         memory_eff={c: tuple(float(x) for x in me[i]) for i, c in enumerate(OP_CLASSES)},
+                         launch_overhead_by_class={} if uniform else launch, step_overhead_s=float(step_overhead_s))
 
 
 def prediction_errors(profile: DeviceProfile, data: Iterable[tuple[ModelConfig, Measurement]]
                       ) -> list[tuple[ModelConfig, Measurement, float, float]]:
-    """(config, measurement, predicted ms, relative error) for every measurement, via :class:`ModelCost`."""
+    """(config, measurement, predicted ms, relative error against its :attr:`~Measurement.value_ms`) for every
+    measurement, predicted through :class:`ModelCost` exactly as the simulator would."""
     costs: dict[ModelConfig, ModelCost] = {}
     out = []
     for cfg, m in data:
         cost = costs.get(cfg) or costs.setdefault(cfg, ModelCost(cfg, profile))
         pred = predict_s(cost, m.case) * 1e3
-        out.append((cfg, m, pred, (pred - m.mean_ms) / m.mean_ms))
+        out.append((cfg, m, pred, (pred - m.value_ms) / m.value_ms))
     return out
+
+
+def profile_yaml(profile: DeviceProfile, header: str = "", meta: dict | None = None) -> str:
+    """The profile as a YAML file in the layout of the shipped profiles (``meta`` keys go after ``source``;
+    :func:`~shared.costmodel.profiles.parse_profile` ignores them)."""
+    def num(x: float) -> str:
+        return f"{x:.4g}" if 1e-3 <= abs(x) < 1e4 or x == 0 else f"{x:.4e}"
+
+    lines = [f"# {h}" if h else "#" for h in header.splitlines()]
+    lines += [f"kind: {profile.kind}", f"source: {json.dumps(profile.source)}"]
+    lines += [f"{k}: {json.dumps(v)}" for k, v in (meta or {}).items()]  # JSON is YAML (flow style)
+    lines += [f"peak_flops: {profile.peak_flops:.4e}", f"mem_bandwidth: {profile.mem_bandwidth:.4e}",
+              f"memory_bytes: {profile.memory_bytes}", f"launch_overhead_s: {profile.launch_overhead_s:.4e}"]
+    if profile.launch_overhead_by_class:
+        lines.append("launch_overhead_by_class:")
+        lines += [f"  {c}: {v:.4e}" for c, v in profile.launch_overhead_by_class.items()]
+    lines.append(f"step_overhead_s: {profile.step_overhead_s:.4e}")
+    lines.append("links:")
+    lines += [f"  {k}: {{bandwidth: {v.bandwidth:.4e}, latency_s: {v.latency_s:.4e}}}"
+              for k, v in profile.links.items()]
+    lines += ["efficiency:", f"  buckets: [{', '.join(str(b) for b in profile.buckets)}]", "  compute:"]
+    lines += [f"    {c}: [{', '.join(num(x) for x in row)}]" for c, row in profile.compute_eff.items()]
+    lines.append("  memory:")
+    lines += [f"    {c}: [{', '.join(num(x) for x in row)}]" for c, row in profile.memory_eff.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_profile(path: str | Path, profile: DeviceProfile, header: str = "", meta: dict | None = None) -> Path:
+    """Write :func:`profile_yaml` to ``path`` and check that it loads back as the same profile."""
+    from shared.costmodel.profiles import load_profile_file
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(profile_yaml(profile, header, meta))
+    load_profile_file(p)  # a file this writes must always load
+    return p

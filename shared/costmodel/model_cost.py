@@ -26,9 +26,10 @@ def op_time(profile: DeviceProfile, op: OperatorSpec, tokens: int, kv_tokens: in
     """Roofline time (s) of one operator over ``tokens`` rows (and ``kv_tokens`` query-key pairs)."""
     if tokens <= 0:
         return 0.0
-    rc, rm = profile.rates(OP_CLASS[op.kind], tokens)
+    cls = OP_CLASS[op.kind]
+    rc, rm = profile.rates(cls, tokens)
     return max(op.flops(tokens, kv_tokens) / rc, op.bytes_moved(tokens, kv_tokens, kv_read_tokens) / rm) \
-        + profile.launch_overhead_s
+        + profile.launch_s(cls)
 
 
 class ModelCost:
@@ -97,7 +98,7 @@ class ModelCost:
         beta0 = op.bytes_moved(b, 0, 0)
         beta1 = op.bytes_moved(b, 1, 1) - beta0
         k = self.corr["attn"]
-        c0, c1 = (beta0 / rm + self.profile.launch_overhead_s) * k, beta1 / rm * k
+        c0, c1 = (beta0 / rm + self.profile.launch_s("attention")) * k, beta1 / rm * k
         slope_c = f1 / rc
         k_max = float("inf") if beta1 / rm >= slope_c else (beta0 / rm) / (slope_c - beta1 / rm)
         return c0, c1, k_max
@@ -114,7 +115,8 @@ class ModelCost:
         if line is None:
             c0, c1, kmax = self.decode_attention_line(n_decode)
             b, n = n_decode, self.layers
-            a = self.embed_time(b) + n * (self.attn_dense_time(b) + self.mlp_time(b) + c0) + self.head_time(b)
+            a = self.embed_time(b) + n * (self.attn_dense_time(b) + self.mlp_time(b) + c0) + self.head_time(b) \
+                + self.profile.step_overhead_s
             line = (a, n * c1, kmax)
             self._lines[n_decode] = line
         return line
@@ -123,7 +125,7 @@ class ModelCost:
                        prefill_reads: int = 0, sampled: int | None = None) -> float:
         """One iteration: ``n_decode`` decode tokens (total context ``decode_kv``) plus prefill chunks
         (``prefill_tokens`` rows, ``prefill_pairs`` query-key pairs, ``prefill_reads`` KV rows read);
-        ``sampled`` rows go through the head (default: ``n_decode``)."""
+        ``sampled`` rows go through the head (default: ``n_decode``); the profile's per-step overhead is added."""
         t = n_decode + prefill_tokens
         if t <= 0:
             return 0.0
@@ -137,7 +139,7 @@ class ModelCost:
             per_layer += self.decode_attention_time(n_decode, decode_kv)
         if prefill_tokens:
             per_layer += self.prefill_attention_time(prefill_tokens, prefill_pairs, prefill_reads)
-        return self.embed_time(t) + self.layers * per_layer + self.head_time(s)
+        return self.embed_time(t) + self.layers * per_layer + self.head_time(s) + self.profile.step_overhead_s
 
     def prefill_time(self, input_tokens: int, chunk: int = 2048) -> float:
         """Time to prefill one prompt alone, in chunks of ``chunk`` tokens (the isolated TTFT)."""

@@ -49,6 +49,8 @@ class DeviceProfile:
     compute_eff: dict[str, tuple[float, ...]]
     memory_eff: dict[str, tuple[float, ...]]
     file: str = "<memory>"
+    launch_overhead_by_class: dict[str, float] = field(default_factory=dict)  # optional, per operator class
+    step_overhead_s: float = 0.0  # per iteration, outside the operators (batch layout, sampling, bookkeeping)
     _eff_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def bucket(self, tokens: int) -> int:
@@ -64,6 +66,10 @@ class DeviceProfile:
             r = (self.peak_flops * self.compute_eff[op_class][b], self.mem_bandwidth * self.memory_eff[op_class][b])
             self._eff_cache[key] = r
         return r
+
+    def launch_s(self, op_class: str) -> float:
+        """Fixed cost (s) of one operator of ``op_class``: its class's overhead if the profile has one."""
+        return self.launch_overhead_by_class.get(op_class, self.launch_overhead_s)
 
     def link(self, kind: str) -> LinkSpec:
         """The link spec for ``kind`` (one of shared.config.LINK_KINDS)."""
@@ -85,7 +91,10 @@ class DeviceProfile:
                 "links": {k: {"bandwidth": v.bandwidth, "latency_s": v.latency_s} for k, v in self.links.items()},
                 "efficiency": {"buckets": list(self.buckets),
                                "compute": {k: list(v) for k, v in self.compute_eff.items()},
-                               "memory": {k: list(v) for k, v in self.memory_eff.items()}}}
+                               "memory": {k: list(v) for k, v in self.memory_eff.items()}},
+                **({"launch_overhead_by_class": dict(self.launch_overhead_by_class)}
+                   if self.launch_overhead_by_class else {}),
+                **({"step_overhead_s": self.step_overhead_s} if self.step_overhead_s else {})}
 
 
 def _num(d: dict, key: str, file: str, path: str, positive: bool = True) -> float:
@@ -142,12 +151,26 @@ def parse_profile(data: Any, file: str | Path = "<memory>") -> DeviceProfile:
             if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1 for x in row):
                 raise ConfigError(file, path, "every efficiency must be a number in (0, 1]")
             tables[part][cls] = tuple(float(x) for x in row)
+    by_class = data.get("launch_overhead_by_class") or {}
+    if not isinstance(by_class, dict):
+        raise ConfigError(file, "launch_overhead_by_class", "expected a mapping of operator class -> seconds")
+    for cls in by_class:
+        if cls not in OP_CLASSES:
+            raise ConfigError(file, f"launch_overhead_by_class.{cls}",
+                              f"unknown operator class; valid: {', '.join(OP_CLASSES)}")
+    launch_by_class = {cls: _num(by_class, cls, file, "launch_overhead_by_class.", positive=False)
+                       for cls in by_class}
+    step_overhead = _num(data, "step_overhead_s", file, "", positive=False) if "step_overhead_s" in data else 0.0
+    if min([step_overhead, *launch_by_class.values()]) < 0:
+        raise ConfigError(file, "step_overhead_s" if step_overhead < 0 else "launch_overhead_by_class",
+                          "overheads must be >= 0")
     return DeviceProfile(kind=kind, source=source, peak_flops=_num(data, "peak_flops", file, ""),
                          mem_bandwidth=_num(data, "mem_bandwidth", file, ""),
                          memory_bytes=int(_num(data, "memory_bytes", file, "")),
                          launch_overhead_s=_num(data, "launch_overhead_s", file, "", positive=False),
                          links=links, buckets=tuple(buckets), compute_eff=tables["compute"],
-                         memory_eff=tables["memory"], file=file)
+                         memory_eff=tables["memory"], file=file, launch_overhead_by_class=launch_by_class,
+                         step_overhead_s=step_overhead)
 
 
 def load_profile_file(path: str | Path) -> DeviceProfile:

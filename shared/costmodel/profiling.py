@@ -8,7 +8,7 @@ outside the segments (batch layout, sampling, bookkeeping) and two reference pea
 
 Noise on a shared machine is heavy-tailed, so cases are measured in interleaved rounds (every case gets a few
 calls in every round, so slow phases of the machine hit all cases alike) until a time budget is spent, and the
-statistic is the mean (what a simulator must predict to get throughput right), with its standard error.
+statistic is the mean of the calls that were not interrupted (see :class:`Measurement`), with its standard error.
 No Redis, no files.
 """
 from __future__ import annotations
@@ -27,7 +27,21 @@ from shared.model.config import ModelConfig
 from shared.model.graph import batch_kv_work
 from shared.model.llama import LlamaModel
 
-SEGMENTS = ("embed", "attn[0]", "mlp[0]", "head")
+INTERRUPTED = 3.0
+
+
+def uninterrupted(samples: list[float]) -> list[float]:
+    """The samples not slower than ``INTERRUPTED`` × their median (see :class:`Measurement`)."""
+    if not samples:
+        return []
+    cut = INTERRUPTED * statistics.median(samples)
+    return [x for x in samples if x <= cut]
+
+
+def uninterrupted_mean(samples: list[float]) -> float:
+    """Mean of :func:`uninterrupted` samples (nan for none)."""
+    kept = uninterrupted(samples)
+    return statistics.fmean(kept) if kept else math.nan
 
 
 @dataclass(frozen=True)
@@ -67,26 +81,46 @@ class Case:
 
 @dataclass
 class Measurement:
-    """Samples (ms) of one case."""
+    """Samples (ms) of one case.
+
+    The fitted statistic is :attr:`value_ms`, the mean of the calls that ran uninterrupted: a call slower than
+    ``INTERRUPTED`` × the median lost its CPU to another process (on a loaded 2-core machine about 2–8 % of
+    calls), which is the machine's load at that moment, not the operator's cost. The serving system's extra
+    time from such contention is what the online correction absorbs (:class:`~shared.costmodel.CorrectionTable`).
+    """
 
     case: Case
     samples_ms: list[float] = field(default_factory=list)
 
     @property
     def mean_ms(self) -> float:
+        """Plain mean of every call."""
         return statistics.fmean(self.samples_ms) if self.samples_ms else math.nan
 
     @property
     def median_ms(self) -> float:
         return statistics.median(self.samples_ms) if self.samples_ms else math.nan
 
+    def _kept(self) -> list[float]:
+        return uninterrupted(self.samples_ms)
+
+    @property
+    def value_ms(self) -> float:
+        """Mean of the uninterrupted calls."""
+        return uninterrupted_mean(self.samples_ms)
+
+    @property
+    def interrupted(self) -> float:
+        """Fraction of calls left out of :attr:`value_ms`."""
+        return 1.0 - len(self._kept()) / len(self.samples_ms) if self.samples_ms else 0.0
+
     @property
     def rel_se(self) -> float:
-        """Standard error of the mean, relative to the mean."""
-        n = len(self.samples_ms)
-        if n < 2:
+        """Standard error of :attr:`value_ms`, relative to it."""
+        kept = self._kept()
+        if len(kept) < 2:
             return 1.0
-        return statistics.stdev(self.samples_ms) / math.sqrt(n) / max(1e-12, self.mean_ms)
+        return statistics.stdev(kept) / math.sqrt(len(kept)) / max(1e-12, statistics.fmean(kept))
 
 
 def token_grid(quick: bool, max_tokens: int) -> list[int]:
@@ -113,7 +147,7 @@ def default_cases(cfg: ModelConfig, quick: bool = False, max_tokens: int = 2048)
             if ctx < limit and d * ctx <= 65536:
                 cases.append(Case("attn", d, decode_ctx=spread(d, ctx)))
     for n in grid:
-        if n >= 2:
+        if 2 <= n <= 1024:  # longer prompts are prefilled in chunks (and cost seconds per call here)
             cases.append(Case("attn", n, prefill=((n, 0),)))
     cached = [(32, 224), (128, 128)] if quick else [(16, 240), (32, 224), (64, 448), (128, 128), (256, 768)]
     for n, c in cached:
@@ -203,13 +237,16 @@ def measure(bench: SegmentBench, cases: list[Case], budget_s: float, *, seed: in
     out = [Measurement(c) for c in cases]
     with torch.inference_mode():
         est = []
-        for f in runs:  # warm-up and a first estimate
+        for f in runs:  # warm-up, then the median of three calls sizes the case's calls per round
             f()
-            bench.sync()
-            t = time.perf_counter()
-            f()
-            bench.sync()
-            est.append(max(1e-6, time.perf_counter() - t))
+            times = []
+            for _ in range(3):
+                bench.sync()
+                t = time.perf_counter()
+                f()
+                bench.sync()
+                times.append(time.perf_counter() - t)
+            est.append(max(1e-6, statistics.median(times)))
         reps = [max(1, min(50, int(round_ms / 1e3 / e))) for e in est]
         order = list(range(len(cases)))
         start = time.perf_counter()
@@ -232,8 +269,9 @@ def measure(bench: SegmentBench, cases: list[Case], budget_s: float, *, seed: in
 
 
 def measure_step_overhead(cfg: ModelConfig, device: str = "cpu", steps: int = 60, seed: int = 0) -> float:
-    """Mean seconds per engine step spent outside the segments (batch layout, sampling, bookkeeping), over
-    decode steps at a few batch sizes and the prefill steps that start them."""
+    """Seconds per engine step spent outside the segments (batch layout, sampling, bookkeeping): the mean over
+    uninterrupted steps (as :attr:`Measurement.value_ms`) of decode steps at a few batch sizes and the prefill
+    steps that start them."""
     from shared.model.engine import Engine, SamplingParams
     from shared.model.tokenizer import load_tokenizer
 
@@ -252,28 +290,35 @@ def measure_step_overhead(cfg: ModelConfig, device: str = "cpu", steps: int = 60
             if n >= 2:  # first steps pay one-time allocations
                 over.append(max(0.0, r.step_ms - sum(r.segment_ms.values())) / 1e3)
             n += 1
-    return statistics.fmean(over) if over else 0.0
+    return uninterrupted_mean(over) if over else 0.0
 
 
 def measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    """(FLOP/s of a large GEMM, bytes/s of a large copy): reference peaks the efficiencies are fractions of."""
+    """(FLOP/s, bytes/s): the fastest GEMM and the fastest copy over a few sizes (small ones stay in cache).
+
+    Efficiencies are fractions of these, so the fitted rates are capped by them."""
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    n = 1024 if dev.type == "cpu" else 8192
-    a = torch.randn(n, n, device=dev).to(dtype)
-    b = torch.randn(n, n, device=dev).to(dtype)
-    big = torch.empty(64 * 2**20 // 4 if dev.type == "cpu" else 2**30 // 4, device=dev)
-    dst = torch.empty_like(big)
+    gemms = (256, 512, 1024) if dev.type == "cpu" else (4096, 8192)
+    copies = (2**18, 2**22, 2**26) if dev.type == "cpu" else (2**26, 2**30)
     flops, bw = 0.0, 0.0
     with torch.inference_mode():
-        for _ in range(3):
-            sync()
-            t = time.perf_counter()
-            torch.mm(a, b)
-            sync()
-            flops = max(flops, 2.0 * n ** 3 / (time.perf_counter() - t))
-            t = time.perf_counter()
-            dst.copy_(big)
-            sync()
-            bw = max(bw, 2.0 * big.numel() * 4 / (time.perf_counter() - t))
+        for n in gemms:
+            a = torch.randn(n, n, device=dev).to(dtype)
+            b = torch.randn(n, n, device=dev).to(dtype)
+            for _ in range(3):
+                sync()
+                t = time.perf_counter()
+                torch.mm(a, b)
+                sync()
+                flops = max(flops, 2.0 * n ** 3 / (time.perf_counter() - t))
+        for nbytes in copies:
+            src = torch.ones(nbytes // 4, device=dev)
+            dst = torch.empty_like(src)
+            for _ in range(3):
+                sync()
+                t = time.perf_counter()
+                dst.copy_(src)
+                sync()
+                bw = max(bw, 2.0 * nbytes / (time.perf_counter() - t))
     return flops, bw

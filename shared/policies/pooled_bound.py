@@ -3,13 +3,15 @@
 Any device may serve any tenant at once, with no weight loading, staging or switching cost; each device keeps the
 KV budget of a container device (its starting tenant's weights stay reserved) so the bound does not come from
 extra KV memory. Devices time-slice the engines they hold round-robin, one iteration at a time. A request goes to
-the device with the fewest outstanding requests, preferring devices already running its tenant (to batch) unless
-they are ``affinity_slack`` requests busier. It is the ceiling ratios are read against, not a real policy.
+the device with the shortest predicted wait for its first token (prompt tokens queued there, plus its own, at the
+device's prefill rate), a device busy with other tenants counting ``mix_penalty`` longer per other tenant so that
+tenants batch where they already run. It is the ceiling ratios are read against, not a real policy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.costmodel import cost_for
 from shared.policies.actions import Placement
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig
 from shared.policies.container import container_placement
@@ -18,7 +20,8 @@ from shared.policies.snapshot import ClusterSnapshot
 
 @dataclass(frozen=True)
 class PooledBoundConfig(PolicyConfig):
-    affinity_slack: int = 4
+    mix_penalty: float = 1.0
+    decode_s_per_seq: float = 0.0005  # wait added per sequence already decoding there
 
 
 @POLICIES.register("pooled-bound")
@@ -34,13 +37,22 @@ class PooledBoundPolicy(Policy):
                          dynamic_engines=True, weights_free=True)
 
     def route(self, tenant: str, input_tokens: int, output_tokens: int, snapshot: ClusterSnapshot) -> str | None:
-        slack = self.config.affinity_slack  # type: ignore[attr-defined]
+        cfg: PooledBoundConfig = self.config  # type: ignore[assignment]
+        model = snapshot.tenants[tenant].model
         best, best_key = None, None
         for d in snapshot.devices.values():
-            load = d.queued + d.running
-            if not d.outstanding_by_tenant.get(tenant):
-                load += slack
-            key = (load, d.queued_prefill_tokens)
+            per_token = self._per_token(model, d.kind)
+            others = sum(1 for t, n in d.outstanding_by_tenant.items() if n and t != tenant)
+            wait = ((d.queued_prefill_tokens + input_tokens) * per_token + d.running * cfg.decode_s_per_seq) \
+                * (1.0 + cfg.mix_penalty * others)
+            key = (wait, d.id)
             if best_key is None or key < best_key:
                 best, best_key = d.id, key
         return best
+
+    def _per_token(self, model, kind: str) -> float:
+        cache = self.__dict__.setdefault("_pt", {})
+        key = (id(model), kind)
+        if key not in cache:
+            cache[key] = cost_for(model, kind).prefill_time(2048) / 2048
+        return cache[key]

@@ -72,6 +72,8 @@ def summarize(result: RowResult, calls: list[Call], tap: Tap, *, fault_mono: flo
     result.http_5xx = sum(1 for c in calls if c.status is not None and c.status >= 500)
     result.rejected = sum(1 for c in calls if c.outcome == "rejected")
     result.errors = dict(sorted(Counter(c.code or "?" for c in acc if c.outcome == "error").items()))
+    result.extra["http_errors"] = dict(sorted(Counter(f"{c.status} {c.code}" for c in calls
+                                                      if c.status not in (None, 200)).items()))
     x = result.extra
     x["ok"] = sum(1 for c in acc if c.outcome == "ok")
     x["lost_ids"] = [f"{c.request_id or c.seed}:{c.outcome}:{c.detail[:60]}" for c in lost[:5]]

@@ -75,13 +75,18 @@ def test_container_routes_to_least_loaded_device_of_its_container(small):
 
 
 def test_slice_leases_help_the_bursty_tenant_without_hurting_the_others(small):
-    c, t, w = small
+    c, t, _ = small
+    # long prompts in 10x bursts: the busy tenant's container queues prompts during bursts
+    w = bursty_workload(t, [9.0, 1.0, 0.3, 0.3], 40.0, random.Random(4), burst_factor=10.0, mean_input=2000,
+                        mean_output=40)
     res = {}
     for name in ("container", "slice"):
         sim = Simulator(c, t, make_policy(name), SimConfig(), random.Random(0))
         res[name] = sim.run(w)
     s, k = res["slice"], res["container"]
     assert s.leases["granted"] > 0
-    assert s.violation_rate <= k.violation_rate
+    assert k.violation_rate > 0 and s.violation_rate <= k.violation_rate
     hot = "t0"
     assert s.tenants[hot]["ttft_ms"]["p99"] <= k.tenants[hot]["ttft_ms"]["p99"]
+    for other in ("t1", "t2", "t3"):  # guests' own tenants stay inside their SLA
+        assert s.tenants[other]["violation_rate"] <= k.tenants[other]["violation_rate"]

@@ -1,0 +1,132 @@
+"""Guest lanes: the second lease mode (DESIGN §4). Under a ``sequences`` lease, new sequences of another tenant are
+placed on this device with their KV here and run whole iterations here, in a guest engine holding that tenant's
+full model (staged from its checkpoint or seed). Home work has priority: while the home tenant has work, lanes
+get at most the leases' ``share`` of the device's time, decided at iteration boundaries. A revoked lease stops new
+placements; sequences already here finish (their KV and results stay valid). Staged engines stay cached for
+reuse until the device's own tenant needs the memory."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import structlog
+
+from shared.config import TenantConfig
+from shared.messages import LeaseGranted, LeaseRevoked
+
+log = structlog.get_logger()
+
+EngineFactory = Callable[[TenantConfig, int], object]  # (tenant, kv_blocks) -> Engine-like
+
+
+@dataclass
+class Lane:
+    tenant: str
+    engine: object | None = None
+    leases: dict[str, LeaseGranted] = field(default_factory=dict)
+    staging: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def accepting(self) -> bool:
+        return self.engine is not None and bool(self.leases)
+
+    def share(self) -> float:
+        return min(0.95, sum(m.share for m in self.leases.values()))
+
+
+class GuestLanes:
+    """Guest engines per tenant on one device, and the home-first time sharing between them and the home."""
+
+    def __init__(self, tenants: dict[str, TenantConfig], factory: EngineFactory, kv_blocks_for: Callable[[TenantConfig], int],
+                 window_s: float = 1.0) -> None:
+        self.tenants, self.factory, self.kv_blocks_for = tenants, factory, kv_blocks_for
+        self.lanes: dict[str, Lane] = {}
+        self.window_s = window_s
+        self._guest_time: deque[tuple[float, float]] = deque()  # (end_ts, seconds) of guest iterations
+        self._home_time: deque[tuple[float, float]] = deque()
+
+    # ------------------------------------------------------------ leases
+    def on_granted(self, msg: LeaseGranted) -> Lane | None:
+        if msg.tenant not in self.tenants:
+            log.warning("lane_unknown_tenant", tenant=msg.tenant, lease_id=msg.lease_id)
+            return None
+        lane = self.lanes.setdefault(msg.tenant, Lane(msg.tenant))
+        lane.leases[msg.lease_id] = msg
+        lane.last_used = time.monotonic()
+        return lane
+
+    def needs_staging(self, tenant: str) -> bool:
+        lane = self.lanes.get(tenant)
+        return lane is not None and lane.engine is None and not lane.staging and bool(lane.leases)
+
+    def stage(self, tenant: str) -> None:
+        """Build the guest engine (runs on the compute thread: loading weights is device work)."""
+        lane = self.lanes[tenant]
+        t = self.tenants[tenant]
+        t0 = time.perf_counter()
+        lane.engine = self.factory(t, self.kv_blocks_for(t))
+        log.info("lane_staged", tenant=tenant, seconds=round(time.perf_counter() - t0, 3))
+
+    def on_revoked(self, msg: LeaseRevoked) -> None:
+        lane = self.lanes.get(msg.tenant)
+        if lane is not None:
+            lane.leases.pop(msg.lease_id, None)
+
+    # ------------------------------------------------------------ requests
+    def engine_for(self, tenant: str):
+        lane = self.lanes.get(tenant)
+        return lane.engine if lane is not None and lane.accepting else None
+
+    def owner_of(self, request_id: str):
+        for lane in self.lanes.values():
+            e = lane.engine
+            if e is not None and (request_id in e.running_ids() or request_id in e.waiting_ids()):
+                return e
+        return None
+
+    # ------------------------------------------------------------ time sharing
+    def _trim(self, now: float) -> None:
+        for q in (self._guest_time, self._home_time):
+            while q and q[0][0] < now - self.window_s:
+                q.popleft()
+
+    def record(self, guest: bool, start: float, end: float) -> None:
+        (self._guest_time if guest else self._home_time).append((end, end - start))
+
+    def next_engine(self, home) -> object | None:
+        """Which engine runs the next iteration: the home unless a lane is owed time (home-first, bounded share)."""
+        busy = [lane for lane in self.lanes.values() if lane.engine is not None and lane.engine.has_work()]
+        if not busy:
+            return home if home.has_work() else None
+        lane = min(busy, key=lambda x: x.last_used)
+        if not home.has_work():
+            lane.last_used = time.monotonic()
+            return lane.engine
+        now = time.time()
+        self._trim(now)
+        g = sum(s for _, s in self._guest_time)
+        h = sum(s for _, s in self._home_time)
+        share = max((x.share() for x in busy), default=0.0) or 0.1  # a revoked lane still finishes, slowly
+        if g <= share * (g + h):
+            lane.last_used = time.monotonic()
+            return lane.engine
+        return home
+
+    def status(self) -> list[tuple[str, int, int, bool]]:
+        out = []
+        for lane in self.lanes.values():
+            e = lane.engine
+            if e is None:
+                out.append((lane.tenant, 0, 0, False))
+                continue
+            out.append((lane.tenant, len(e.running_ids()) + len(e.waiting_ids()), 0, lane.accepting))
+        return out
+
+    def share(self) -> float:
+        return min(0.95, sum(lane.share() for lane in self.lanes.values()))
+
+    def has_work(self) -> bool:
+        return any(lane.engine is not None and lane.engine.has_work() for lane in self.lanes.values())

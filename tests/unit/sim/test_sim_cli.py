@@ -1,0 +1,111 @@
+"""``slicesched simulate`` / ``bench compare`` end to end on small files; bad files give one-line errors."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+
+from services.cli.main import main
+
+
+@pytest.fixture()
+def files(tmp_path):
+    rng = random.Random(3)
+    lines, t = ["TIMESTAMP,ContextTokens,GeneratedTokens"], 0.0
+    for _ in range(300):
+        t += rng.expovariate(4.0)
+        s = int(t)
+        lines.append(f"2023-11-16 18:{s // 60:02d}:{s % 60:02d}.{int((t - s) * 1e7):07d},"
+                     f"{rng.randint(50, 3000)},{rng.randint(1, 300)}")
+    (tmp_path / "trace.csv").write_text("\n".join(lines))
+    devices = [{"id": f"g{i}", "backend": "emulated", "kind": "h100-80gb", "memory_gb": 80, "host": f"n{i // 2}"}
+               for i in range(4)]
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"cluster": {"name": "c4"}, "devices": devices,
+                                                           "links": {"intra_host": "nvlink", "inter_host": "nccl"}}))
+    tenants = [{"name": f"t{i}", "model": {"preset": "llama-7b"}, "sla": {"ttft_ms": 109, "tpot_ms": 28.8},
+                "home_devices": [f"g{i}"]} for i in range(3)]
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump({"tenants": tenants}))
+    wl = {"name": "small", "tenants": "tenants.yaml", "traces": [{"path": str(tmp_path / "trace.csv"),
+                                                                  "format": "azure"}],
+          "alpha": 1.3, "seed": 1, "duration_s": 60}
+    (tmp_path / "w.yaml").write_text(yaml.safe_dump(wl))
+    return tmp_path
+
+
+def test_simulate_writes_metrics(files, capsys):
+    out = files / "out.json"
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "container", "--rate-scale", "2", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    for key in ("tokens_per_s", "violation_rate", "wall_s", "events"):
+        assert key in r
+    assert r["tokens_per_s"] > 0 and r["events"] > 0 and r["wall_s"] > 0
+    assert set(r["tenants"]) <= {"t0", "t1", "t2"}
+    t = next(iter(r["tenants"].values()))
+    for key in ("tokens_per_s", "ttft_ms", "tpot_ms", "violation_rate"):
+        assert key in t
+    assert set(t["ttft_ms"]) >= {"p50", "p90", "p99"}
+    assert r["devices"]["g0"]["memory_peak_bytes"] <= r["devices"]["g0"]["memory_limit_bytes"]
+    assert len(r["memory_timeline"]["g0"]) >= 2
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    return err[0]
+
+
+def test_bad_cluster_file_names_file_and_field(files, capsys):
+    bad = files / "bad.yaml"
+    bad.write_text("devices:\n  - {id: g0, backend: quantum, kind: h100-80gb, memory_gb: 80}\n")
+    rc = main(["simulate", "--cluster", str(bad), "--workload", str(files / "w.yaml"), "--policy", "container"])
+    assert rc == 2
+    line = _one_line_error(capsys)
+    assert "bad.yaml" in line and "devices[0].backend" in line
+
+
+def test_missing_and_malformed_workload(files, capsys):
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "nope.yaml"),
+               "--policy", "container"])
+    assert rc == 2 and "nope.yaml" in _one_line_error(capsys)
+    (files / "w2.yaml").write_text("name: x\ntenants: tenants.yaml\ntraces: []\nseed: one\n")
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w2.yaml"),
+               "--policy", "container"])
+    assert rc == 2 and "w2.yaml" in _one_line_error(capsys)
+
+
+def test_workload_for_another_cluster_is_refused(files, capsys):
+    devices = [{"id": "x0", "backend": "emulated", "kind": "h100-80gb", "memory_gb": 80}]
+    (files / "other.yaml").write_text(yaml.safe_dump({"devices": devices}))
+    rc = main(["simulate", "--cluster", str(files / "other.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "container"])
+    assert rc == 2 and "home_devices" in _one_line_error(capsys)
+
+
+def test_unknown_policy(files, capsys):
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "nope"])
+    assert rc == 2 and "valid:" in _one_line_error(capsys)
+
+
+def test_bench_compare_small(files, capsys):
+    out = files / "cmp.json"
+    rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--policies", "container,pooled-bound", "--fidelity", "sim", "--duration-s", "30",
+               "--tolerance", "0.25", "--start-scale", "8", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["fidelity"] == "sim" and r["workload"].endswith("w.yaml")
+    for name in ("container", "pooled-bound"):
+        p = r["policies"][name]
+        assert set(p) >= {"max_scale_9", "tokens_per_s_9", "max_scale_1", "tokens_per_s_1", "violation_rate"}
+        assert p["max_scale_9"] >= p["max_scale_1"] > 0
+        assert p["violation_rate"] <= 0.09
+    assert r["ratio_to_container"]["container"]["9"] == 1.0
+    rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--policies", "container", "--fidelity", "warp"])
+    assert rc == 2

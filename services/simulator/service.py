@@ -101,10 +101,11 @@ class SimulatorService:
         """Rebuild the twin's work and forecasts, one device at a time so what-if answers are not held up."""
         now = time.time()
         snap = self.follower.snapshot
-        works = self.core.twin.device_work(snap, now)
         await asyncio.sleep(0)
-        forecasts = {}
-        for d, w in works.items():
+        rates = self.core.twin.rates.rates(now)
+        works, forecasts = {}, {}
+        for d in snap.devices:
+            w = works[d] = self.core.twin.work_of(snap, d, now, rates)
             forecasts[d] = forecast_device(w, self.core.horizon_s)
             await asyncio.sleep(0)
         self.core.view, self.core.view_ts = TwinView(snap.epoch, snap, works, forecasts, self.core.horizon_s), now

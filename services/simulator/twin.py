@@ -119,32 +119,33 @@ class Twin:
 
     def device_work(self, snap: GMGSnapshot, now: float) -> dict[str, DeviceWork]:
         """Per-device work now: running sequences (progress estimated from elapsed time), queue, arrival rate."""
-        out: dict[str, DeviceWork] = {}
         rates = self.rates.rates(now)
-        for did, dev in snap.devices.items():
-            tenant = dev.home_tenant
-            cost = self.cost(tenant, did) if tenant else None
-            mi, mo = self.means(tenant) if tenant else (0.0, 0.0)
-            kvpt = self.tenants.get(tenant).model.config.kv_bytes_per_token() if tenant else 0
-            reqs = snap.requests.get(did, {})
-            seqs = []
-            for rid, r in reqs.items():
-                info = self.book.get(rid)
-                inp, mx = (info.input_tokens, info.max_tokens) if info else (int(mi), int(mo))
-                seqs.append(Seq(rid, inp, min(mx, max(1, int(mo))), (inp + mx) * kvpt))
-            if cost is not None and seqs:
-                it = cost.iteration_time(len(seqs), sum(s.ctx for s in seqs))
-                for s, (rid, r) in zip(seqs, reqs.items()):
-                    done = int(max(0.0, now - r.started_ts) / max(it, 1e-6))
-                    done = min(done, s.remaining - 1)
-                    s.ctx += done
-                    s.remaining -= done
-            homes = max(1, len(self.tenants.get(tenant).home_devices)) if tenant else 1
-            out[did] = DeviceWork(did, tenant, cost, dev.limit, dev.reserved, seqs,
-                                  queued=max(0, dev.queued), rate_rps=rates.get(tenant, 0.0) / homes,
-                                  mean_input=mi or self.default_input, mean_output=mo or self.default_output,
-                                  kv_bytes_per_token=kvpt, up=dev.state in UP_STATES)
-        return out
+        return {did: self.work_of(snap, did, now, rates) for did in snap.devices}
+
+    def work_of(self, snap: GMGSnapshot, did: str, now: float, rates: dict[str, float]) -> DeviceWork:
+        """One device's work (see :meth:`device_work`)."""
+        dev = snap.devices[did]
+        tenant = dev.home_tenant
+        cost = self.cost(tenant, did) if tenant else None
+        mi, mo = self.means(tenant) if tenant else (0.0, 0.0)
+        kvpt = self.tenants.get(tenant).model.config.kv_bytes_per_token() if tenant else 0
+        reqs = snap.requests.get(did, {})
+        seqs = []
+        for rid in reqs:
+            info = self.book.get(rid)
+            inp, mx = (info.input_tokens, info.max_tokens) if info else (int(mi), int(mo))
+            seqs.append(Seq(rid, inp, min(mx, max(1, int(mo))), (inp + mx) * kvpt))
+        if cost is not None and seqs:
+            it = cost.iteration_time(len(seqs), sum(s.ctx for s in seqs))
+            for s, r in zip(seqs, reqs.values()):
+                done = min(int(max(0.0, now - r.started_ts) / max(it, 1e-6)), s.remaining - 1)
+                s.ctx += done
+                s.remaining -= done
+        homes = max(1, len(self.tenants.get(tenant).home_devices)) if tenant else 1
+        return DeviceWork(did, tenant, cost, dev.limit, dev.reserved, seqs, queued=max(0, dev.queued),
+                          rate_rps=rates.get(tenant, 0.0) / homes, mean_input=mi or self.default_input,
+                          mean_output=mo or self.default_output, kv_bytes_per_token=kvpt,
+                          up=dev.state in UP_STATES)
 
     def cluster_snapshot(self, snap: GMGSnapshot, now: float) -> ClusterSnapshot:
         """The policies' snapshot of the live cluster (the same type the offline simulator keeps)."""

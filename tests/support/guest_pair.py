@@ -78,7 +78,8 @@ class GuestPair:
     async def start(self, timeout_s: float = 60.0) -> None:
         await self.store.register_cluster(self.cluster, self.tenants)
         env = dict(os.environ, REDIS_URL=self.url, SLICESCHED_PREFIX=self.p, SLICESCHED_CLUSTER=str(self.cluster_file),
-                   SLICESCHED_TENANTS=str(self.tenants_file), SLICESCHED_LOG_FORMAT="json", **self.env)
+                   SLICESCHED_TENANTS=str(self.tenants_file), SLICESCHED_LOG_FORMAT="json",
+                   SLICESCHED_KV_POOL_MB="32", **self.env)
         for d in (DRIVER, GUEST):
             log = open(self.tmp / f"worker-{d}.log", "w")
             self.procs[d] = subprocess.Popen([sys.executable, "-m", "services.worker", "--device", d], cwd=REPO,

@@ -45,8 +45,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--max-inflight", type=int, default=None, help="SLICESCHED_MAX_INFLIGHT for the gateway")
-    p.add_argument("--admit-ttft-fraction", type=float, default=None,
-                   help="SLICESCHED_ADMIT_TTFT_FRACTION for the gateway (0 turns the TTFT guard off)")
+    p.add_argument("--admit-sla-fraction", type=float, default=None,
+                   help="SLICESCHED_ADMIT_SLA_FRACTION for the gateway (0 turns the SLA limiter off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", default=None)
 
@@ -130,6 +130,7 @@ class Bench:
         summ = summarize(recs, self.sla, tenants=[self.tenant.name])
         g = summ["total"]
         accepted = [x for x in recs if x.http_status == 200]
+        sla = self.sla[self.tenant.name]
         met = [x for x in accepted if x.status == "ok" and not violates(x, self.sla[self.tenant.name])]
         client_lost = [x for x in accepted if x.status == "timeout" or x.error == "stream ended before [DONE]"]
         out: dict[str, Any] = {
@@ -144,6 +145,8 @@ class Bench:
             "failed_after_accept": sum(1 for x in accepted if x.status != "ok"),
             "accepted_ttft_s": g["ttft_s"], "accepted_e2e_s": g["e2e_s"], "accepted_tpot_s": g["tpot_s"],
             "accepted_sla_attainment": len(met) / len(accepted) if accepted else None,
+            "accepted_over_ttft": sum(1 for x in accepted if x.ttft_s is not None and x.ttft_s > sla.ttft_s),
+            "accepted_over_tpot": sum(1 for x in accepted if x.tpot_s is not None and x.tpot_s > sla.tpot_s),
             "lost": len({x.id for x in client_lost}) + len(unfinished), "lost_client": len(client_lost),
             "lost_journey": unfinished, "max_send_lag_s": max((x.send_lag_s for x in recs), default=0.0),
             "reject_reasons": dict(Counter(f"{x.http_status} {re.sub(r'[0-9.]+', 'N', x.error or '')[:70]}"
@@ -299,8 +302,8 @@ def run(args: argparse.Namespace) -> int:
     env = {}
     if args.max_inflight is not None:
         env["SLICESCHED_MAX_INFLIGHT"] = str(args.max_inflight)
-    if args.admit_ttft_fraction is not None:
-        env["SLICESCHED_ADMIT_TTFT_FRACTION"] = str(args.admit_ttft_fraction)
+    if args.admit_sla_fraction is not None:
+        env["SLICESCHED_ADMIT_SLA_FRACTION"] = str(args.admit_sla_fraction)
     with tempfile.TemporaryDirectory(prefix="slicesched-overload-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()),
                             tenants_file=str(Path(args.tenants).resolve()), data_dir=Path(tmp), gateway_port=0,
@@ -330,8 +333,8 @@ def run(args: argparse.Namespace) -> int:
               "bounds": {"max_queue": tenant.max_queue, "quota": vars(tenant.quota),
                          "max_inflight": int(env.get("SLICESCHED_MAX_INFLIGHT") or
                                              os.environ.get("SLICESCHED_MAX_INFLIGHT") or 4096),
-                         "admit_ttft_fraction": float(env.get("SLICESCHED_ADMIT_TTFT_FRACTION") or
-                                                      os.environ.get("SLICESCHED_ADMIT_TTFT_FRACTION") or 0.5)},
+                         "admit_sla_fraction": float(env.get("SLICESCHED_ADMIT_SLA_FRACTION") or
+                                                      os.environ.get("SLICESCHED_ADMIT_SLA_FRACTION") or 0.5)},
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
               "capacity_rps": capacity, "max_violation": args.max_violation, "probes": probes, "phases": phases,
               "machine": f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, no GPU",

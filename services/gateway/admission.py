@@ -1,17 +1,10 @@
-"""Admission control: per-tenant bounded in-flight and quotas (429), a predicted-TTFT guard and a global in-flight
-bound (503).
+"""Admission control: per-tenant bounded in-flight and quotas (429), an SLA-driven adaptive per-tenant limit and a
+global in-flight bound (503).
 
 Pure and single-threaded (the gateway's event loop); the clock is injected so tests can move time. Bounds are per
-gateway instance: with several replicas behind a load balancer each enforces its share.
-
-The TTFT guard keeps accepted requests inside their SLA under overload. A bounded queue alone does not: at 2x
-capacity an open-loop load fills ``max_queue`` and every accepted request then waits ``max_queue / capacity``
-seconds for its first token. The guard applies Little's law to the tenant's requests that wait for their first
-token at this gateway: with ``waiting`` of them and first tokens arriving at ``rate`` per second while any wait,
-a new request should see its first token after about ``(waiting + 1) / rate`` seconds. Above ``ttft_fraction``
-of the tenant's TTFT target the request is refused with 503 and a Retry-After of the predicted excess. The rate is
-measured on a clock that runs only while requests wait (idle time neither dilutes nor expires it), so it follows
-the capacity actually left to the tenant, whatever the cause (batch size, CPU contention, a slow device).
+gateway instance: with several replicas behind a load balancer each enforces its share. The adaptive limit
+(:mod:`services.gateway.sla_limit`) learns from the TTFT and TPOT of the tenant's completed requests, fed by
+:meth:`Admission.progress` as their chunks arrive.
 """
 from __future__ import annotations
 
@@ -22,12 +15,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from services.gateway.core import ApiError
+from services.gateway.sla_limit import SlaLimiter
 from shared.config import TenantConfig
 
 WINDOW_S = 60.0
-RATE_SAMPLES = 128  # first-token stamps kept per tenant for the rate estimate
-RATE_MIN_SAMPLES = 8  # below this the guard does not judge (cold start)
-RATE_WINDOW_BUSY_S = 10.0  # stamps older than this much waiting time are dropped
 
 
 @dataclass
@@ -38,51 +29,10 @@ class Ticket:
     tokens: int
     ts: float
     released: bool = False
-    waiting_first_token: bool = True
-
-
-@dataclass
-class FirstTokenRate:
-    """Little's law on the requests waiting for their first token; times on a clock that runs while any wait."""
-
-    waiting: int = 0
-    busy_s: float = 0.0  # total time with waiting > 0
-    last_ts: float | None = None
-    stamps: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))  # busy_s at each first token
-
-    def _advance(self, now: float) -> None:
-        if self.last_ts is not None and self.waiting > 0:
-            self.busy_s += max(0.0, now - self.last_ts)
-        self.last_ts = now
-
-    def started(self, now: float) -> None:
-        self._advance(now)
-        self.waiting += 1
-
-    def first_token(self, now: float) -> None:
-        self._advance(now)
-        self.waiting = max(0, self.waiting - 1)
-        self.stamps.append(self.busy_s)
-
-    def abandoned(self, now: float) -> None:
-        """The request ended without a first token (error, cancel): it leaves the queue without a sample."""
-        self._advance(now)
-        self.waiting = max(0, self.waiting - 1)
-
-    def rate(self, now: float) -> float | None:
-        """First tokens per second of waiting time over the recent window; None until enough samples."""
-        self._advance(now)
-        while self.stamps and self.stamps[0] < self.busy_s - RATE_WINDOW_BUSY_S:
-            self.stamps.popleft()
-        if len(self.stamps) < RATE_MIN_SAMPLES:
-            return None
-        span = self.busy_s - self.stamps[0]
-        return len(self.stamps) / span if span > 0 else None
-
-    def predicted_ttft_s(self, now: float) -> float | None:
-        """Expected wait for the first token of a request admitted now."""
-        r = self.rate(now)
-        return None if r is None else (self.waiting + 1) / r
+    generation: int = 0  # the tenant limiter's generation at admission
+    first_token_ts: float | None = None
+    tokens_seen: int = 0
+    observed: bool = False
 
 
 @dataclass
@@ -90,17 +40,17 @@ class _TenantState:
     inflight: int = 0
     window: deque = field(default_factory=deque)  # (ts, tokens) charged in the last WINDOW_S
     window_tokens: int = 0
-    ttft: FirstTokenRate = field(default_factory=FirstTokenRate)
+    limiter: SlaLimiter | None = None
 
 
 class Admission:
-    """Decides whether a request may enter: tenant limits first (429), then the TTFT guard and the cluster bound
-    (503). ``ttft_fraction`` 0 turns the guard off."""
+    """Decides whether a request may enter: tenant limits first (429), then the tenant's SLA limit and the cluster
+    bound (503). ``sla_fraction`` scales the tenant's SLA into the limiter's targets; 0 turns the limiter off."""
 
-    def __init__(self, max_inflight: int, *, ttft_fraction: float = 0.0,
+    def __init__(self, max_inflight: int, *, sla_fraction: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_inflight = max_inflight
-        self.ttft_fraction = ttft_fraction
+        self.sla_fraction = sla_fraction
         self.clock = clock
         self.total_inflight = 0
         self._tenants: dict[str, _TenantState] = {}
@@ -116,9 +66,10 @@ class Admission:
         self._expire(st, self.clock())
         return st.window_tokens
 
-    def predicted_ttft_s(self, tenant: str) -> float | None:
+    def limit(self, tenant: str) -> int | None:
+        """The tenant's adaptive limit (None when the limiter is off or has not seen the tenant)."""
         st = self._tenants.get(tenant)
-        return st.ttft.predicted_ttft_s(self.clock()) if st else None
+        return st.limiter.current if st and st.limiter else None
 
     def admit(self, tenant: TenantConfig, tokens: int) -> Ticket:
         """Admit a request that may use ``tokens`` (prompt + max_tokens) or raise a 429/503 :class:`ApiError`."""
@@ -137,25 +88,39 @@ class Admission:
             raise _quota(f"tenant '{tenant.name}' would exceed its quota of {tpm} tokens per minute "
                          f"(prompt + max_tokens = {tokens}, used {st.window_tokens})", "tokens_quota_exceeded",
                          self._tokens_retry_after(st, tokens, tpm, now))
-        if self.ttft_fraction > 0:
-            self._check_ttft(tenant, st, now)
+        lim = self._limiter(tenant, st)
+        if lim is not None and not lim.allows(st.inflight):
+            raise overloaded(f"tenant '{tenant.name}' is at its adaptive limit of {lim.current} requests in flight "
+                             f"(lowered because recent requests missed {self.sla_fraction:g} x the tenant's SLA)",
+                             "tenant_saturated", 1)
         if self.total_inflight >= self.max_inflight:
             raise overloaded(f"the gateway has {self.total_inflight} requests in flight (bound {self.max_inflight})",
                              "overloaded", 1)
         st.inflight += 1
         self.total_inflight += 1
-        st.ttft.started(now)
         if tpm:
             st.window.append((now, tokens))
             st.window_tokens += tokens
-        return Ticket(tenant=tenant.name, tokens=tokens, ts=now)
+        return Ticket(tenant=tenant.name, tokens=tokens, ts=now, generation=lim.generation if lim else 0)
 
-    def first_token(self, ticket: Ticket) -> None:
-        """The request's first token arrived (feeds the TTFT guard); later calls are ignored."""
-        if ticket.released or not ticket.waiting_first_token:
+    def progress(self, ticket: Ticket, *, tokens: int, finished: bool, completion_tokens: int = 0) -> None:
+        """A chunk of the request arrived (``tokens`` new tokens); at the end, feed the tenant's SLA limiter."""
+        if ticket.released or ticket.observed:
             return
-        ticket.waiting_first_token = False
-        self._tenants[ticket.tenant].ttft.first_token(self.clock())
+        now = self.clock()
+        if tokens and ticket.first_token_ts is None:
+            ticket.first_token_ts = now
+        ticket.tokens_seen += tokens
+        if not finished:
+            return
+        ticket.observed = True
+        st = self._tenants[ticket.tenant]
+        if st.limiter is None or ticket.first_token_ts is None:
+            return
+        n = max(completion_tokens, ticket.tokens_seen)
+        tpot = (now - ticket.first_token_ts) / (n - 1) if n > 1 else None
+        st.limiter.observe(generation=ticket.generation, inflight=st.inflight,
+                           ttft_s=ticket.first_token_ts - ticket.ts, tpot_s=tpot)
 
     def release(self, ticket: Ticket, *, refund: bool = False) -> None:
         """End a request; ``refund`` returns its tokens to the quota (it never reached the scheduler)."""
@@ -163,9 +128,6 @@ class Admission:
             return
         ticket.released = True
         st = self._tenants[ticket.tenant]
-        if ticket.waiting_first_token:
-            ticket.waiting_first_token = False
-            st.ttft.abandoned(self.clock())
         st.inflight -= 1
         self.total_inflight -= 1
         if refund:
@@ -175,14 +137,14 @@ class Admission:
                     st.window_tokens -= tok
                     break
 
-    def _check_ttft(self, tenant: TenantConfig, st: _TenantState, now: float) -> None:
-        predicted = st.ttft.predicted_ttft_s(now)
-        target = self.ttft_fraction * tenant.sla.ttft_ms / 1000.0
-        if predicted is not None and predicted > target:
-            raise overloaded(f"tenant '{tenant.name}' is saturated: a request admitted now would wait about "
-                             f"{predicted:.2f} s for its first token ({st.ttft.waiting} waiting), over the "
-                             f"{target:.2f} s admission target", "ttft_over_target",
-                             max(1, math.ceil(predicted - target)))
+    def _limiter(self, tenant: TenantConfig, st: _TenantState) -> SlaLimiter | None:
+        if self.sla_fraction <= 0:
+            return None
+        if st.limiter is None:
+            st.limiter = SlaLimiter(ttft_target_s=self.sla_fraction * tenant.sla.ttft_ms / 1000.0,
+                                    tpot_target_s=self.sla_fraction * tenant.sla.tpot_ms / 1000.0,
+                                    max_limit=tenant.max_queue)
+        return st.limiter
 
     @staticmethod
     def _expire(st: _TenantState, now: float) -> None:

@@ -35,7 +35,7 @@ class GatewayLimits:
     redis_op_timeout_s: float = 2.0
     drain_s: float = 20.0
     retry_after_s: int = 1
-    admit_ttft_fraction: float = 0.5  # TTFT guard target as a fraction of the tenant's TTFT SLA; 0 = off
+    admit_sla_fraction: float = 0.5  # SLA limiter targets as a fraction of the tenant's SLA; 0 = limiter off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "GatewayLimits":
@@ -51,15 +51,15 @@ class GatewayLimits:
                 raise ConfigError("environment", name, f"must be positive, got {raw!r}")
             return v
 
-        raw_fraction = env.get("SLICESCHED_ADMIT_TTFT_FRACTION") or "0.5"
+        raw_fraction = env.get("SLICESCHED_ADMIT_SLA_FRACTION") or "0.5"
         try:
             fraction = float(raw_fraction)
         except ValueError:
             fraction = -1.0
         if not (math.isfinite(fraction) and fraction >= 0):
-            raise ConfigError("environment", "SLICESCHED_ADMIT_TTFT_FRACTION",
-                              f"expected a number >= 0 (0 turns the TTFT guard off), got {raw_fraction!r}")
-        return cls(admit_ttft_fraction=fraction, max_body_bytes=num("SLICESCHED_MAX_BODY_BYTES", 1024 * 1024, int),
+            raise ConfigError("environment", "SLICESCHED_ADMIT_SLA_FRACTION",
+                              f"expected a number >= 0 (0 turns the SLA limiter off), got {raw_fraction!r}")
+        return cls(admit_sla_fraction=fraction, max_body_bytes=num("SLICESCHED_MAX_BODY_BYTES", 1024 * 1024, int),
                    max_inflight=num("SLICESCHED_MAX_INFLIGHT", 4096, int),
                    request_idle_timeout_s=num("SLICESCHED_REQUEST_IDLE_TIMEOUT_S", 60.0, float),
                    redis_op_timeout_s=num("SLICESCHED_REDIS_TIMEOUT_S", 2.0, float),

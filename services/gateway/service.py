@@ -54,7 +54,7 @@ class GatewayService:
                                   drain_s=self.limits.drain_s)
         self.metrics = GatewayMetrics(self.shell.registry)
         self.keys = KeyIndex(tenants)
-        self.admission = Admission(self.limits.max_inflight, ttft_fraction=self.limits.admit_ttft_fraction)
+        self.admission = Admission(self.limits.max_inflight, sla_fraction=self.limits.admit_sla_fraction)
         self.producer = StreamProducer(self.redis)
         self.requests_stream = requests_stream(settings.prefix)
         self.router = TokenRouter(cmd=self.redis, blocking=self.blocking,
@@ -238,7 +238,9 @@ class GatewayService:
             raise overloaded("the request queue (Redis) is unreachable", "redis_unavailable", REDIS_RETRY_AFTER_S)
         ticket = self.admission.admit(tenant, len(prompt_ids) + parsed.max_tokens)
         self.metrics.inflight.labels(tenant.name).set(self.admission.inflight(tenant.name))
-        pending = self.router.register(rid, tenant.name, on_first_token=lambda: self.admission.first_token(ticket))
+        pending = self.router.register(rid, tenant.name, on_chunk=lambda c: self.admission.progress(
+            ticket, tokens=len(c.token_ids), finished=c.finish_reason is not None,
+            completion_tokens=c.completion_tokens))
         try:
             msg = InferenceRequest(
                 msg_id=rid, request_id=rid, tenant=tenant.name, gateway=self.gateway_id, prompt_ids=prompt_ids,

@@ -35,7 +35,7 @@ class PendingRequest:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     next_seq: int = 0
     buffer: dict[int, TokenChunk] = field(default_factory=dict)
-    on_first_token: Callable[[], None] | None = None  # called once, when the first chunk with tokens is routed
+    on_chunk: Callable[[TokenChunk], None] | None = None  # sees each chunk as it is routed, in seq order
 
 
 class TokenRouter:
@@ -52,8 +52,8 @@ class TokenRouter:
 
     # ------------------------------------------------------------ registry
     def register(self, request_id: str, tenant: str,
-                 on_first_token: Callable[[], None] | None = None) -> PendingRequest:
-        p = self._pending[request_id] = PendingRequest(request_id, tenant, on_first_token=on_first_token)
+                 on_chunk: Callable[[TokenChunk], None] | None = None) -> PendingRequest:
+        p = self._pending[request_id] = PendingRequest(request_id, tenant, on_chunk=on_chunk)
         return p
 
     def unregister(self, request_id: str) -> None:
@@ -91,9 +91,8 @@ class TokenRouter:
             chunk = p.buffer.pop(p.next_seq)
             p.queue.put_nowait(chunk)
             p.next_seq += 1
-            if chunk.token_ids and p.on_first_token is not None:
-                cb, p.on_first_token = p.on_first_token, None
-                cb()
+            if p.on_chunk is not None:
+                p.on_chunk(chunk)
 
     def fail_all(self, status: int, code: str, message: str) -> None:
         """Deliver an error to every pending request (the stream cannot be read)."""

@@ -288,10 +288,14 @@ class SchedulerService:
 
     # ------------------------------------------------------------ device health
     async def _device_loop(self) -> None:
+        rounds = 0
         while not self.shell.stop.is_set():
+            rounds += 1
             try:
                 await self._refresh_devices()
                 await self._fail_dead_devices()
+                if rounds % 10 == 0:
+                    await self._fail_lost_assignments()
                 await self._publish_tenant_stats()
             except REDIS_ERRORS as e:
                 log.warning("device_refresh_error", error=repr(e))
@@ -344,6 +348,29 @@ class SchedulerService:
                     message=f"the worker on device {dev} failed; retry the request", retryable=True),
                     maxlen=TOKENS_MAXLEN)
             self.m_failed.labels(req.tenant, "worker_failed").inc()
+            await self._finished(rid, dev, "failed")
+
+    async def _fail_lost_assignments(self) -> None:
+        """Assigned requests whose journey hash vanished (Redis lost its data: AOF off, a flush) never reached a
+        worker (a worker that runs one writes it back): end them with a clear, retryable error."""
+        rids = list(self.assigned)
+        if not rids:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in rids:
+            pipe.exists(req_key(self.p, rid))
+        for rid, exists in zip(rids, await pipe.execute()):
+            a = self.assigned.get(rid)
+            if exists or a is None:
+                continue
+            dev, req, _ = a
+            log.warning("request_failed_state_lost", tenant=req.tenant, request_id=rid, device=dev)
+            if await self.fence.claim(rid, "failed") and req.gateway:
+                await self.producer.add(tokens_stream(self.p, req.gateway), RequestError(
+                    msg_id=uuid.uuid4().hex, request_id=rid, tenant=req.tenant, status=503, code="state_lost",
+                    message="the request's state was lost with Redis; retry the request", retryable=True),
+                    maxlen=TOKENS_MAXLEN)
+            self.m_failed.labels(req.tenant, "state_lost").inc()
             await self._finished(rid, dev, "failed")
 
     async def _publish_tenant_stats(self) -> None:

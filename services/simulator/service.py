@@ -114,8 +114,11 @@ class SimulatorService:
 
     async def _refresh_loop(self) -> None:
         while not self.shell.stop.is_set():
+            view = self.core.view
+            stale = view is None or view.epoch != self.follower.epoch or time.time() - self.core.view_ts >= 1.0
             try:
-                await self.refresh()
+                if stale:
+                    await self.refresh()
             except Exception:  # a bad twin state must not stop answering with the previous view
                 log.exception("sim_refresh_failed")
             await _sleep(self.shell.stop, self.refresh_interval_s)

@@ -31,6 +31,7 @@ class LockStats:
     home_wait_max_s: float = 0.0  # longest time a home step waited for the device
     home_wait_total_s: float = 0.0
     home_wait_on_guest_max_s: float = 0.0  # longest wait that started while a guest segment held the device
+    home_waits_on_guest: int = 0  # home steps that arrived while a guest segment held the device
     guest_runs: int = 0
     guest_busy_s: float = 0.0
     guest_run_max_s: float = 0.0
@@ -86,6 +87,7 @@ class DeviceLock:
         s.home_wait_total_s += t1 - t0
         s.home_wait_max_s = max(s.home_wait_max_s, t1 - t0)
         if on_guest:
+            s.home_waits_on_guest += 1
             s.home_wait_on_guest_max_s = max(s.home_wait_on_guest_max_s, t1 - t0)
         try:
             yield

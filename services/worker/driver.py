@@ -117,6 +117,7 @@ class LeaseRemote:
             cid = link.client.call(link.lease.lease_id, link.lease.tenant, name, micro_batch, hidden, self.mover,
                                    link.lease.guest_device, timeout)  # type: ignore[union-attr]
         except (OSError, FrameError, TimeoutError) as e:
+            link.fallbacks += 1
             link.broken(repr(e))
             return None
         link.calls += 1

@@ -330,5 +330,6 @@ class LeaseAgent:
             "guest_run_max_ms": round(s.guest_run_max_s * 1e3, 3),
             "home_wait_max_ms": round(s.home_wait_max_s * 1e3, 3),
             "home_wait_on_guest_max_ms": round(s.home_wait_on_guest_max_s * 1e3, 3),
+            "home_waits_on_guest": s.home_waits_on_guest, "guest_refused_busy": s.guest_refused,
             "staged_bytes": self.weights.nbytes, "staged_segments": len(self.weights.entries()),
         }

@@ -327,13 +327,19 @@ class WorkerService:
 
     # ------------------------------------------------------------ reports
     async def _heartbeat_loop(self) -> None:
+        beats = 0
         while not self.shell.stop.is_set():
             try:
                 await asyncio.wait_for(self.shell.stop.wait(), timeout=HEARTBEAT_S)
             except asyncio.TimeoutError:
                 pass
+            beats += 1
             try:
                 await self._heartbeat()
+                if beats % 10 == 0 and not await self.redis.hexists(
+                        self.gmg.keys.reservations(self.device.id), f"weights:{self.tenant.name}:home"):
+                    log.warning("weights_reservation_missing")  # Redis lost its data: account the weights again
+                    await self._reserve_weights()
             except REDIS_ERRORS as e:
                 log.warning("heartbeat_failed", error=repr(e))
 

@@ -6,10 +6,14 @@ qkv, rope, KV write, attention over a paged KV cache, o-proj, residual) for deco
 lengths, prefill chunks with and without cached context, and mixed batches. Plus the engine's work per step
 outside the segments (batch layout, sampling, bookkeeping) and two reference peaks (a large GEMM, a large copy).
 
-Noise on a shared machine is heavy-tailed, so cases are measured in interleaved rounds (every case gets a few
-calls in every round, so slow phases of the machine hit all cases alike) until a time budget is spent, and the
-statistic is the mean of the calls that were not interrupted (see :class:`Measurement`), with its standard error.
-No Redis, no files.
+On the CPU the clock is the calling thread's CPU time (torch runs with one thread in the calling thread), not
+wall time: on a shared, oversubscribed machine a long operator's wall time is its CPU time stretched by however
+many other processes want the cores at that moment, which is the machine's load, not the device's speed. (The
+serving mesh's extra wall time under load is what the online correction absorbs, see
+:class:`~shared.costmodel.CorrectionTable`.) On CUDA the clock is wall time between device synchronisations.
+Cases are measured in interleaved rounds (every case gets a few calls per round, so the machine's phases hit
+all cases alike) until a time budget is spent; the statistic is the mean of the uninterrupted calls (see
+:class:`Measurement`), with its standard error. No Redis, no files.
 """
 from __future__ import annotations
 
@@ -84,9 +88,8 @@ class Measurement:
     """Samples (ms) of one case.
 
     The fitted statistic is :attr:`value_ms`, the mean of the calls that ran uninterrupted: a call slower than
-    ``INTERRUPTED`` × the median lost its CPU to another process (on a loaded 2-core machine about 2–8 % of
-    calls), which is the machine's load at that moment, not the operator's cost. The serving system's extra
-    time from such contention is what the online correction absorbs (:class:`~shared.costmodel.CorrectionTable`).
+    ``INTERRUPTED`` × the median was disturbed (a context switch that evicted its caches, or, with a wall
+    clock, lost its CPU to another process), which is the machine's load at that moment, not the operator's cost.
     """
 
     case: Case
@@ -172,7 +175,7 @@ class SegmentBench:
         self.device = torch.device(device)
         self.model = LlamaModel(self.cfg, self.device, seed=seed)
         self.kv = self.model.new_kv_cache(64, 16)
-        self.sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        self.clock = device_clock(self.device)
         self.layers = cfg.num_hidden_layers
         gen = torch.Generator().manual_seed(seed)
         self._hidden = (torch.randn(4096, self.cfg.hidden_size, generator=gen) * 0.5).to(self.device, self.model.dtype)
@@ -232,6 +235,7 @@ def measure(bench: SegmentBench, cases: list[Case], budget_s: float, *, seed: in
     Each round calls every case about ``round_ms`` worth of times (at least once), in a shuffled order.
     """
     rng = random.Random(seed)
+    clock = bench.clock
     bench.reserve(cases)
     runs = [bench.prepare(c) for c in cases]
     out = [Measurement(c) for c in cases]
@@ -241,26 +245,22 @@ def measure(bench: SegmentBench, cases: list[Case], budget_s: float, *, seed: in
             f()
             times = []
             for _ in range(3):
-                bench.sync()
-                t = time.perf_counter()
+                t = clock()
                 f()
-                bench.sync()
-                times.append(time.perf_counter() - t)
+                times.append(clock() - t)
             est.append(max(1e-6, statistics.median(times)))
         reps = [max(1, min(50, int(round_ms / 1e3 / e))) for e in est]
         order = list(range(len(cases)))
-        start = time.perf_counter()
+        start = time.perf_counter()  # the budget is wall time
         rounds = 0
         while rounds < min_rounds or time.perf_counter() - start < budget_s:
             rng.shuffle(order)
             for i in order:
                 f, samples = runs[i], out[i].samples_ms
                 for _ in range(reps[i]):
-                    bench.sync()
-                    t = time.perf_counter()
+                    t = clock()
                     f()
-                    bench.sync()
-                    samples.append((time.perf_counter() - t) * 1e3)
+                    samples.append((clock() - t) * 1e3)
             rounds += 1
             if progress is not None:
                 progress(min(1.0, (time.perf_counter() - start) / budget_s))
@@ -268,29 +268,57 @@ def measure(bench: SegmentBench, cases: list[Case], budget_s: float, *, seed: in
     return out
 
 
+class _TimedRunner:
+    """Segment runner that sums the device clock spent inside segments (to subtract from the step's)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock, self.inside = clock, 0.0
+
+    def run(self, name: str, hidden: torch.Tensor, ctx, local: Callable) -> torch.Tensor:
+        t = self.clock()
+        out = local(hidden, ctx)
+        self.inside += self.clock() - t
+        return out
+
+
 def measure_step_overhead(cfg: ModelConfig, device: str = "cpu", steps: int = 60, seed: int = 0) -> float:
     """Seconds per engine step spent outside the segments (batch layout, sampling, bookkeeping): the mean over
     uninterrupted steps (as :attr:`Measurement.value_ms`) of decode steps at a few batch sizes and the prefill
-    steps that start them."""
+    steps that start them, on the device clock."""
     from shared.model.engine import Engine, SamplingParams
     from shared.model.tokenizer import load_tokenizer
 
     small = cfg.with_(num_hidden_layers=1)
     model = LlamaModel(small, device, seed=seed)
     tok = load_tokenizer(None, small)
+    clock = device_clock(torch.device(device))
     over: list[float] = []
     for batch in (1, 8, 32):
-        eng = Engine(model, tok, kv_blocks=max(64, batch * 32), max_batch_tokens=256, max_running=64)
+        runner = _TimedRunner(clock)
+        eng = Engine(model, tok, kv_blocks=max(64, batch * 32), max_batch_tokens=256, max_running=64,
+                     segment_runner=runner)
         for i in range(batch):
             prompt = [min(small.vocab_size - 1, 65 + (i + j) % 26) for j in range(48)]
             eng.add(f"r{i}", prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
         n = 0
         while eng.has_work() and n < steps:
-            r = eng.step()
+            runner.inside = 0.0
+            t = clock()
+            eng.step()
             if n >= 2:  # first steps pay one-time allocations
-                over.append(max(0.0, r.step_ms - sum(r.segment_ms.values())) / 1e3)
+                over.append(max(0.0, clock() - t - runner.inside))
             n += 1
     return uninterrupted_mean(over) if over else 0.0
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """Seconds on the device's clock: the thread's CPU time on the CPU, synchronised wall time on CUDA."""
+    if device.type == "cuda":
+        def cuda_clock() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return cuda_clock
+    return time.thread_time
 
 
 def measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[float, float]:
@@ -298,7 +326,7 @@ def measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> tu
 
     Efficiencies are fractions of these, so the fitted rates are capped by them."""
     dev = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    clock = device_clock(dev)
     gemms = (256, 512, 1024) if dev.type == "cpu" else (4096, 8192)
     copies = (2**18, 2**22, 2**26) if dev.type == "cpu" else (2**26, 2**30)
     flops, bw = 0.0, 0.0
@@ -307,18 +335,14 @@ def measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> tu
             a = torch.randn(n, n, device=dev).to(dtype)
             b = torch.randn(n, n, device=dev).to(dtype)
             for _ in range(3):
-                sync()
-                t = time.perf_counter()
+                t = clock()
                 torch.mm(a, b)
-                sync()
-                flops = max(flops, 2.0 * n ** 3 / (time.perf_counter() - t))
+                flops = max(flops, 2.0 * n ** 3 / max(1e-9, clock() - t))
         for nbytes in copies:
             src = torch.ones(nbytes // 4, device=dev)
             dst = torch.empty_like(src)
             for _ in range(3):
-                sync()
-                t = time.perf_counter()
+                t = clock()
                 dst.copy_(src)
-                sync()
-                bw = max(bw, 2.0 * nbytes / (time.perf_counter() - t))
+                bw = max(bw, 2.0 * nbytes / max(1e-9, clock() - t))
     return flops, bw

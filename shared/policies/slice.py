@@ -37,7 +37,6 @@ class SliceConfig(PolicyConfig):
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit
     max_leases: int = 3  # leases one home device may hold at once
     guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
-    revoke_margin: float = 0.9  # revoke a device's hosted leases when its own tenant passes margin × SLA
     tick_s: float = 0.2
     min_seek_interval_s: float = 0.05
     horizon_s: float = 1.0
@@ -124,12 +123,14 @@ class SlicePolicy(Policy):
                 out += self._protect(snapshot.devices[did], snapshot, whatif)
             revoked = {a.lease_id for a in out if isinstance(a, RevokeLease)}
             out += self._extend(snapshot, whatif, revoked)
-            for d in snapshot.devices.values():
-                if d.home_tenant and (d.queued or d.queued_prefill_tokens):
-                    g = self._seek(d, snapshot, whatif)
-                    if g:
-                        out.append(g)
-                        break  # one commit per tick; the next tick sees its effect
+            busy = [d for d in snapshot.devices.values()
+                    if d.home_tenant and (d.queued or d.queued_prefill_tokens) and not d.draining]
+            busy.sort(key=lambda d: -self._urgency(d, snapshot, whatif))  # most urgent tenant first
+            for d in busy[:4]:
+                g = self._seek(d, snapshot, whatif)
+                if g:
+                    out.append(g)
+                    break  # one commit per tick; the next tick sees its effect
         elif trigger.kind in ("lease_end", "lease_revoked") and trigger.tenant:
             for did in self.devices_of.get(trigger.tenant, []):
                 g = self._seek(snapshot.devices[did], snapshot, whatif)
@@ -159,29 +160,38 @@ class SlicePolicy(Policy):
         return whatif.guest_latency(whatif.cost(t, d.kind), d, t, share)
 
     def _protect(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> list[Action]:
-        """Revoke leases hosted on ``d`` (newest first) while its own tenant is predicted past revoke_margin."""
-        hosted = sorted((lease for lease in snapshot.leases.values() if lease.guest_device == d.id),
-                        key=lambda x: -x.start_s)
+        """Revoke leases hosted on ``d`` (newest first) when its own tenant needs the memory they hold.
+
+        Time needs no revocation: the device's own work always comes first (it yields nothing to guests while
+        it has prompts to prefill, and only its TPOT slack otherwise), so guests can only slow it within its SLA.
+        Memory does: staged weights pinned by leases and guest sequences' KV cannot be evicted, so when the KV
+        its own queued requests need no longer fits, the newest leases go."""
+        hosted = sorted((lease for lease in snapshot.leases.values() if lease.guest_device == d.id
+                         and lease.state != "draining"), key=lambda x: -x.start_s)
         if not hosted or d.home_tenant is None:
             return []
-        sla = snapshot.tenants[d.home_tenant].sla
-        share = sum(lease.share for lease in hosted)
+        t = snapshot.tenants[d.home_tenant]
+        need = whatif.kv_reserve(t, d)
+        free = d.free_bytes + d.evictable_bytes
         out: list[Action] = []
         for lease in hosted:
-            ttft, tpot = self._own_latency(d, snapshot, whatif, share)
-            if ttft <= self.cfg.revoke_margin * sla.ttft_ms / 1e3 and tpot <= self.cfg.revoke_margin * sla.tpot_ms / 1e3:
+            if free >= need:
                 break
-            out.append(RevokeLease(lease.id, "guest_tenant_at_risk"))
-            share -= lease.share
+            out.append(RevokeLease(lease.id, "guest_tenant_needs_memory"))
+            free += lease.memory_bytes
         return out
 
-    def _behind(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> bool:
+    def _urgency(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> float:
+        """Predicted worst TTFT (or TPOT) of the tenant on ``d`` as a fraction of its target (the larger)."""
         t = snapshot.tenants[d.home_tenant]  # type: ignore[index]
         cost = whatif.cost(t, d.kind)
         it, b, p, _ = whatif.device_iteration(cost, d)
         ttft, tpot = whatif.tenant_latency(cost, d, t, snapshot.now, it, p)
-        f = self.cfg.behind_fraction
-        return ttft > f * t.sla.ttft_ms / 1e3 or tpot > f * t.sla.tpot_ms / 1e3
+        return max(ttft / (t.sla.ttft_ms / 1e3), tpot / (t.sla.tpot_ms / 1e3) * self.cfg.behind_fraction / 0.9)
+
+    def _behind(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> bool:
+        """TTFT predicted past behind_fraction of its target, or TPOT past 90% of it."""
+        return self._urgency(d, snapshot, whatif) > self.cfg.behind_fraction
 
     def _seek(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> GrantLease | None:
         """Best lease for the tenant at home on ``d``, or None (at most one search per device per
@@ -272,7 +282,7 @@ class SlicePolicy(Policy):
             idle = 0 if not (g.busy or g.outstanding) else 1
             same = 0 if g.host == d.host else 1
             staged = ((tenant, "*") in g.resident) + ((tenant, "mlp[0]") in g.resident)  # reuse: no staging
-            scored.append(((idle, -staged, g.outstanding + g.queued_prefill_tokens / 2048, same,
+            scored.append(((idle, -staged, same, g.outstanding + g.queued_prefill_tokens / 2048,
                             -(g.free_bytes + g.evictable_bytes), g.id), g))
         scored.sort(key=lambda x: x[0])
         return [g for _, g in scored[: self.cfg.max_candidates]]

@@ -142,11 +142,13 @@ class SimDevice:
         self.schedule(self, self.cur_end, self.version)
 
     def _yield(self, eng: Engine, n: int, dur: float, now: float) -> float:
-        """Own step with guests present: yield ``f_dyn`` of the device to them, bounded so the own tenant's
-        (longest) iteration stays within ``yield_margin`` × its TPOT target; nothing while it has prompts waiting."""
+        """Own step with guests present: yield ``f_dyn`` of the device to them, only as much as the own tenant's
+        SLA slack allows. TPOT: its (longest) iteration, stretched, stays within ``yield_margin`` × its target.
+        TTFT: its oldest waiting prompt, with the prefill still queued stretched, stays within ``yield_margin`` ×
+        its target. Guests get nothing once the own tenant has no slack left."""
         running = [x for x in self.hosted if x.state in (ACTIVE, DRAINING)]
         old = self.f_dyn
-        if not running or eng.prefilling or eng.waiting:
+        if not running:
             f = 0.0
         else:
             if eng.run is not None:
@@ -154,7 +156,14 @@ class SimDevice:
                 t_last = a + c * (k0 + (n - 1) * b)
             else:
                 t_last = dur
-            f = max(0.0, min(sum(x.share for x in running), 0.95, 1.0 - t_last / (self.yield_margin * eng.tpot_s)))
+            m = self.yield_margin
+            f = min(sum(x.share for x in running), 0.95, 1.0 - t_last / (m * eng.tpot_s))
+            if eng.waiting or eng.prefilling:
+                steps = -(-eng.queued_prefill // eng.cfg.max_batched_tokens)
+                waited = now - eng.oldest_pending()
+                budget = m * eng.ttft_s - waited
+                f = min(f, 1.0 - steps * dur / budget) if budget > 0 else 0.0
+            f = max(0.0, f)
         self.f_dyn = f
         if f != old:
             self.sync_lanes(now, force=True)

@@ -25,7 +25,7 @@ class Engine:
     __slots__ = ("eid", "tenant", "device", "cost", "cfg", "waiting", "prefilling", "decoding", "decode_kv",
                  "queued_prefill", "offload", "slowdown", "draining", "weights_bytes", "step_chunks", "step_n",
                  "run", "on_first_token", "on_finish", "tokens_out", "busy_s", "block_bytes", "closed_form",
-                 "offload_iters", "tpot_s")
+                 "offload_iters", "tpot_s", "ttft_s")
 
     def __init__(self, eid: str, tenant: str, device: "SimDevice", cost: ModelCost, cfg: "SimConfig",
                  on_first_token: Callable[[SimRequest, float], None],
@@ -49,7 +49,8 @@ class Engine:
         self.block_bytes = cfg.kv_block_tokens * cost.kv_bytes_per_token
         self.closed_form = cfg.closed_form
         self.offload_iters = 0
-        self.tpot_s = float("inf")  # the tenant's TPOT target (bounds how much time its device yields to guests)
+        self.tpot_s = float("inf")  # the tenant's TPOT and TTFT targets (bound how much time its device yields
+        self.ttft_s = float("inf")  # to guests)
 
     # ---------------------------------------------------------------- queue state
     def enqueue(self, req: SimRequest) -> None:

@@ -152,7 +152,7 @@ class LeaseBook:
             lane.engines.append(Engine(sim.next_id("e"), src.tenant, lane, src.cost if src.device.kind == guest.kind
                                        else cost_for(sim.model_of(src.tenant), guest.kind), sim.cfg,
                                        sim._on_first_token, sim._on_finish, 0))
-            lane.engines[0].tpot_s = src.tpot_s
+            lane.engines[0].tpot_s, lane.engines[0].ttft_s = src.tpot_s, src.ttft_s
         else:
             lease.engine.offload.append(lease)
         sim.snapshot.leases[lease.lid].state = ACTIVE

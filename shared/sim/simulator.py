@@ -113,6 +113,7 @@ class Simulator:
                 return None
         eng = Engine(self.next_id("e"), tenant, dev, cost, self.cfg, self._on_first_token, self._on_finish, wb)
         eng.tpot_s = self.snapshot.tenants[tenant].sla.tpot_ms / 1000.0
+        eng.ttft_s = self.snapshot.tenants[tenant].sla.ttft_ms / 1000.0
         dev.engines.append(eng)
         if tenant not in dev.state.tenants:
             dev.state.tenants.append(tenant)
@@ -286,6 +287,8 @@ class Simulator:
 
     def _on_step(self, dev: SimDevice) -> None:
         eng = dev.finish(self.now)
+        if self.weights_free and eng.outstanding == 0 and eng.weights_bytes == 0 and eng in dev.engines:
+            self.remove_engine(dev, eng)  # free weights: an idle extra engine costs nothing to reopen
         if eng.draining and eng.outstanding == 0:
             if dev.parent is not None:
                 self.leases.lane_drained(dev)

@@ -221,6 +221,11 @@ class WhatIf:
         return WhatIfResult(cand, base_s, base_s * (1.0 - frac), frac, ttft, lane_tpot, ttft_before, g_ttft, g_tpot,
                             peak, tl, breaks)
 
+    def kv_reserve(self, t: TenantState, d: DeviceState) -> int:
+        """KV the device's own tenant needs soon: its queued requests and one more typical one."""
+        cost = self.cost(t, d.kind)
+        return int((d.queued + 1) * (t.mean_input + t.mean_output) * cost.kv_bytes_per_token)
+
     def _kv_growth(self, t: TenantState, cost: ModelCost, d: DeviceState, horizon_s: float) -> int:
         """KV the device's own tenant is predicted to reserve over the window (its queued requests plus its recent
         arrival rate spread over its devices)."""

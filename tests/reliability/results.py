@@ -39,6 +39,9 @@ class RowResult:
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d", time.gmtime()))
     duration_s: float = 0.0
 
+    def note(self, text: str) -> None:
+        self.notes = f"{self.notes}; {text}" if self.notes else text
+
     def check(self, *, allow_lost: bool = False) -> None:
         """The matrix's targets: nothing lost, nothing duplicated."""
         assert self.duplicated == 0, f"row {self.row} {self.variant}: {self.duplicated} duplicated results"

@@ -31,9 +31,10 @@ def seed_base(row: str, seed: int) -> int:
 
 
 async def run_fault_row(rig: Rig, result: RowResult, *, n: int, fault: Callable[[], Awaitable[dict | None]],
-                        probe_tenant: str, rate_rps: float = RATE_RPS, fault_window_s: tuple[float, float] = (5, 10),
+                        probe_tenant: str, rate_rps: float = RATE_RPS, fault_window: tuple[float, float] = (.3, .5),
                         max_tokens: int = 6, probe_timeout_s: float = 120.0) -> tuple[RowResult, list, Tap]:
-    """Drive ``n`` requests; call ``fault()`` at a seeded time inside ``fault_window_s``; measure recovery."""
+    """Drive ``n`` requests; call ``fault()`` at a seeded time inside ``fault_window`` (fractions of the load's
+    duration); measure recovery."""
     rng = random.Random(result.seed * 7919 + zlib.crc32((result.row + result.variant).encode()) % 1000)
     driver = Driver(rig.mesh.gateway, seed_base=seed_base(result.row + result.variant, result.seed),
                     max_tokens=max_tokens)
@@ -42,7 +43,7 @@ async def run_fault_row(rig: Rig, result: RowResult, *, n: int, fault: Callable[
 
     async def scenario():
         load = asyncio.create_task(driver.open_loop(n, rate_rps, rng))
-        await asyncio.sleep(rng.uniform(*fault_window_s))
+        await asyncio.sleep(rng.uniform(*fault_window) * n / rate_rps)
         t_fault = time.monotonic()
         info = await fault() or {}
         prober = Prober(driver, probe_tenant, timeout_s=probe_timeout_s)
@@ -57,7 +58,7 @@ async def run_fault_row(rig: Rig, result: RowResult, *, n: int, fault: Callable[
     result.extra["tap_missed"] = await tap.missed()
     result.duration_s = round(time.monotonic() - t_start, 1)
     if recovered is None:
-        result.notes = (result.notes + " " if result.notes else "") + "no recovery within the probe window"
+        result.note("no recovery within the probe window")
     return result, calls, tap
 
 
@@ -69,7 +70,7 @@ def settle(rig: Rig, result: RowResult | None = None, timeout_s: float = 120) ->
         rig.wait_idle(timeout_s)
     except TimeoutError as e:
         if result is not None:
-            result.notes = (result.notes + " " if result.notes else "") + f"did not settle: {e}"
+            result.note(f"did not settle: {e}")
         raise
     finally:
         if result is not None:

@@ -42,7 +42,7 @@ async def test_row1_kill_worker_mid_generation(rig, seed):
         return {"worker_restart_s": round(restart, 2)}
 
     await run_fault_row(rig, res, n=n_requests(600), fault=fault, probe_tenant="tiny-a")
-    res.notes = ("home-pinned tenants: in-flight requests of the dead worker end with a retryable worker_failed "
+    res.note("home-pinned tenants: in-flight requests of the dead worker end with a retryable worker_failed "
                  "error (not re-run elsewhere); queued ones run after the restart")
     finish(rig, res)
 
@@ -61,7 +61,7 @@ async def test_row2_sigstop_worker_past_heartbeat_timeout(rig, seed):
 
     _, calls, tap = await run_fault_row(rig, res, n=n_requests(600), fault=fault, probe_tenant="tiny-b")
     res.extra["fenced_or_late_chunks"] = sum(tap.late_chunks.values())
-    res.notes = "the woken worker's results for requests already failed must not reach the gateway as a 2nd result"
+    res.note("the woken worker's results for requests already failed must not reach the gateway as a 2nd result")
     finish(rig, res)
 
 
@@ -102,7 +102,7 @@ async def test_row3_long_healthy_generation_is_not_reclaimed(rig, seed):
                       "max_times_delivered_worker_streams": max_deliveries,
                       "spurious_worker_failed": res.errors.get("worker_failed", 0)})
     res.duration_s = round(time.monotonic() - t0, 1)
-    res.notes = ("worker streams have one fixed owner (consumer = device id) and no reclaim; the failure detector "
+    res.note("worker streams have one fixed owner (consumer = device id) and no reclaim; the failure detector "
                  "that could misfire is the 3 s heartbeat staleness")
     finish(rig, res)
     assert res.errors.get("worker_failed", 0) == 0 and max_deliveries <= 1 and res.extra["reexecuted"] == 0
@@ -145,5 +145,5 @@ async def test_row5_sigterm_worker_drains(rig, seed):
         return {"drain_s": round(drain, 2), "restart_s": round(restart, 2)}
 
     await run_fault_row(rig, res, n=n_requests(400), fault=fault, probe_tenant="tiny-b")
-    res.notes = "in-flight requests end with a retryable worker_draining error; the launcher restarts the worker"
+    res.note("in-flight requests end with a retryable worker_draining error; the launcher restarts the worker")
     finish(rig, res)

@@ -71,7 +71,7 @@ async def test_row7_client_pause_all(rig, seed):
         return {"paused_s": 10.0}
 
     await run_fault_row(rig, res, n=n_requests(500), fault=fault, probe_tenant="tiny-a")
-    res.notes = "requests finish or fail within their deadline; blocked calls resume or time out (socket_timeout)"
+    res.note("requests finish or fail within their deadline; blocked calls resume or time out (socket_timeout)")
     finish(rig, res)
 
 
@@ -109,11 +109,12 @@ async def test_row6_kill_redis(rig, mode, seed):
     res.extra["http_503"] = len(down)
     res.extra["http_503_with_retry_after"] = sum(1 for c in down if c.retry_after)
     if mode == "off":
-        res.notes = "AOF off: every stream, group and GMG key is gone after the restart (documented loss window)"
+        res.note("AOF off: every stream, group and GMG key is gone after the restart (documented loss window)")
     elif mode == "everysec":
-        res.notes = "AOF everysec: acknowledged writes of up to ~1 s before the crash may be lost"
+        res.note("AOF everysec: a killed redis-server loses no acknowledged write (the AOF is written before the "
+                 "reply; only fsync is deferred), the <= 1 s window is for an OS crash or power loss")
     else:
-        res.notes = "AOF always: no acknowledged write is lost"
+        res.note("AOF always: no acknowledged write is lost")
     finish(rig, res, allow_lost=mode == "off", must_settle=mode != "off")
     if mode == "always":
         assert res.extra["acked_writes_lost"] == 0

@@ -1,0 +1,140 @@
+"""The predicted side of ``slicesched bench accuracy``: the same arrivals replayed in the simulator.
+
+The replay uses the live worker's batching (at most 256 tokens and 64 sequences per iteration, 16-token KV
+blocks, KV reserved for prompt + max_tokens at admission), the ``container`` policy on the tenants file's own
+home devices, and steps iteration by iteration (no closed-form decode runs) so that every iteration's batch is
+recorded and can be expanded into its segments with the same cost model: that gives predicted means per
+(segment, tokens bucket) exactly as the worker buckets its measurements.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from services.worker.core import tokens_bucket
+from shared.config import ClusterConfig, TenantsConfig
+from shared.costmodel import ModelCost, cost_for
+from shared.costmodel.accuracy import BucketStats
+from shared.model.graph import segment_names
+from shared.workload import Workload, WorkloadRequest
+
+WORKER_BATCHING = dict(max_num_seqs=64, max_batched_tokens=256, kv_block_tokens=16)  # services/worker/__main__.py
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One simulated iteration's batch on one device."""
+
+    device: str
+    n_decode: int
+    decode_kv: int
+    prefill_tokens: int
+    prefill_pairs: int
+    prefill_reads: int
+    sampled: int
+
+
+class _RecordingCost:
+    """A :class:`ModelCost` that records the batch of every iteration it is asked to time."""
+
+    def __init__(self, cost: ModelCost, device: str, sink: list[Iteration]) -> None:
+        self._cost, self._device, self._sink = cost, device, sink
+
+    def iteration_time(self, n_decode: int, decode_kv: int, prefill_tokens: int = 0, prefill_pairs: int = 0,
+                       prefill_reads: int = 0, sampled: int | None = None) -> float:
+        s = n_decode if sampled is None else sampled
+        self._sink.append(Iteration(self._device, n_decode, decode_kv, prefill_tokens, prefill_pairs,
+                                    prefill_reads, s))
+        return self._cost.iteration_time(n_decode, decode_kv, prefill_tokens, prefill_pairs, prefill_reads, s)
+
+    def __getattr__(self, name: str):
+        return getattr(self._cost, name)
+
+
+@dataclass
+class SimReplay:
+    """What the simulator predicted for one replay (times in seconds from arrival 0 of the original arrivals)."""
+
+    requests: dict[str, tuple[float, float | None]]  # request id -> (TTFT, TPOT or None for one token)
+    memory: dict[str, list[tuple[float, int]]]  # device -> change points (t, bytes)
+    capacity: dict[str, int]
+    iterations: list[Iteration]
+    costs: dict[str, ModelCost] = field(default_factory=dict)  # device -> the cost model used
+
+    def segment_predictions(self, pool_layers: bool = True) -> dict[tuple, BucketStats]:
+        """Predicted executions per (device, segment, tokens bucket) in ms, as the worker buckets them
+        (``attn``/``mlp`` pooled over layers when ``pool_layers``)."""
+        acc: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        names: dict[str, list[str]] = {}
+        for it in self.iterations:
+            cost = self.costs[it.device]
+            t = it.n_decode + it.prefill_tokens
+            b = tokens_bucket(t)
+            attn = cost.attn_dense_time(t)
+            if it.n_decode:
+                attn += cost.decode_attention_time(it.n_decode, it.decode_kv)
+            if it.prefill_tokens:
+                attn += cost.prefill_attention_time(it.prefill_tokens, it.prefill_pairs, it.prefill_reads)
+            times = {"embed": cost.embed_time(t), "attn": attn, "mlp": cost.mlp_time(t)}
+            if it.sampled:
+                times["head"] = cost.head_time(it.sampled)
+            segs = names.get(it.device)
+            if segs is None:
+                segs = names[it.device] = segment_names(cost.layers)
+            for seg in segs:
+                kind = seg.split("[")[0]
+                if kind not in times:
+                    continue
+                key = (it.device, kind if pool_layers else seg, b)
+                ms = times[kind] * 1e3
+                a = acc[key]
+                a[0] += 1
+                a[1] += ms
+                a[2] += ms * ms
+        return {k: BucketStats(int(c), tot, sq) for k, (c, tot, sq) in acc.items()}
+
+
+def replay(cluster: ClusterConfig, tenants: TenantsConfig, requests: list[WorkloadRequest], *,
+           cost_of: Callable[[str, str], ModelCost] | None = None, arrival_shift_s: float = 0.0,
+           delivery_s: float = 0.0, seed: int = 0) -> SimReplay:
+    """Replay ``requests`` with the ``container`` policy on the tenants' home devices.
+
+    ``cost_of(device_id, tenant)`` gives the cost model of a tenant's engine on a device (default: the shipped
+    profile of the device's kind, uncorrected). ``arrival_shift_s`` delays every arrival (the request path
+    from the client to the worker) and ``delivery_s`` is added to every first token (worker to client); both
+    are reported against the original arrival times.
+    """
+    from shared.policies import make_policy
+    from shared.sim import SimConfig, Simulator
+
+    records: list[Iteration] = []
+    costs: dict[str, ModelCost] = {}
+    models = {t.name: t.model.config for t in tenants.tenants}
+
+    class _Replay(Simulator):
+        def add_engine(self, dev, tenant, charge_weights=True):  # type: ignore[override]
+            eng = super().add_engine(dev, tenant, charge_weights)
+            if eng is not None:
+                cost = cost_of(dev.id, tenant) if cost_of else cost_for(models[tenant], dev.kind)
+                costs[dev.id] = cost
+                eng.cost = _RecordingCost(cost, dev.id, records)
+            return eng
+
+    shifted = tuple(dataclasses.replace(r, arrival_s=r.arrival_s + arrival_shift_s) for r in requests)
+    duration = max((r.arrival_s for r in shifted), default=0.0) + 1.0
+    w = Workload(name="accuracy", requests=shifted, tenants=tenants, duration_s=duration, seed=seed)
+    cfg = SimConfig(closed_form=False, drain_s=600.0, **WORKER_BATCHING)
+    sim = _Replay(cluster, tenants, make_policy("container", {"resize": False}), cfg, random.Random(seed))
+    sim.run(w)
+    out: dict[str, tuple[float, float | None]] = {}
+    for r in sim.requests:
+        if r.first_token < 0 or r.finish < 0:
+            continue
+        ttft = r.first_token - (r.arrival - arrival_shift_s) + delivery_s
+        out[r.rid] = (ttft, r.tpot() if r.output > 1 else None)
+    memory = {d.id: list(d.mem.timeline) for d in sim.devices.values()}
+    capacity = {d.id: d.mem.capacity for d in sim.devices.values()}
+    return SimReplay(out, memory, capacity, records, costs)

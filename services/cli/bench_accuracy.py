@@ -1,0 +1,295 @@
+"""``slicesched bench accuracy``: the simulator's prediction error against the real CPU mesh.
+
+Runs the real mesh (:mod:`services.cli.accuracy_mesh`) on two disjoint windows of a workload: a short
+*calibration* window, then the *measured* window. The measured window's arrivals are replayed in the simulator
+(:mod:`services.cli.accuracy_sim`) twice: with the shipped measured CPU profile as it is ("profile only"), and
+as the live simulator service runs it ("calibrated"): per-(device, segment kind) correction factors, the
+serving loop's per-step overhead and the request path's latency (client → worker, worker → client), all
+learned from the calibration window only. Errors (:mod:`shared.costmodel.accuracy`): per-segment latency MAPE
+against the mean of each (segment, tokens bucket), request TTFT/TPOT absolute percentage error, memory over
+time as a fraction of device capacity.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from shared.config import REPO_CONFIGS, ConfigError, load_cluster, load_tenants
+from shared.costmodel.accuracy import (BucketStats, ape_quantiles, memory_timeline_error, quantile_errors,
+                                       segment_errors)
+
+DEFAULT_WORKLOAD = REPO_CONFIGS / "workloads" / "tiny-bursty.yaml"
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="workload file (docs/loadgen.md)")
+    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster.yaml"), help="the mesh's cluster.yaml")
+    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"), help="the mesh's tenants.yaml")
+    p.add_argument("--duration-s", type=float, default=30.0, help="measured window: arrivals in [0, D)")
+    p.add_argument("--calibration-s", type=float, default=15.0,
+                   help="calibration window: the arrivals in [D, D + C), replayed first (0: profile only)")
+    p.add_argument("--min-count", type=int, default=20,
+                   help="segment buckets with fewer measured executions are left out of the segment MAPE")
+    p.add_argument("--json", dest="json_out", default=None, help="write the errors and their detail here")
+    p.add_argument("--raw-out", default=None, help="also save the raw mesh measurements (JSON)")
+    p.add_argument("--from-raw", default=None, help="analyse saved raw measurements instead of running the mesh")
+
+
+# ---------------------------------------------------------------- measured side, reduced
+def measured_segments(m, pool_devices: bool = True) -> dict[tuple, BucketStats]:
+    """Measured executions per (segment kind, tokens bucket) in ms (``attn[l]``/``mlp[l]`` pooled over layers;
+    over devices too when ``pool_devices``, else keyed by device first)."""
+    out: dict[tuple, BucketStats] = {}
+    for s in m.segments:
+        kind = s.segment.split("[")[0]
+        key = (kind, s.tokens_bucket) if pool_devices else (s.device, kind, s.tokens_bucket)
+        st = BucketStats(s.count, s.total_ms, s.sumsq_ms)
+        out[key] = out[key] + st if key in out else st
+    return out
+
+
+def pool(pred: dict[tuple, BucketStats]) -> dict[tuple, BucketStats]:
+    """(device, kind, bucket) -> (kind, bucket), summing executions."""
+    out: dict[tuple, BucketStats] = {}
+    for (_, kind, b), st in pred.items():
+        out[(kind, b)] = out[(kind, b)] + st if (kind, b) in out else st
+    return out
+
+
+def match_requests(m) -> list[tuple[dict, dict]]:
+    """Pairs (client record, worker record) of the same request: same tenant and token counts, the worker
+    start nearest after the client's send (the gateway's request id is not visible to the client)."""
+    pool_: dict[tuple, list[dict]] = {}
+    for w in m.worker_requests:
+        pool_.setdefault((w["tenant"], w["prompt_tokens"], w["completion_tokens"]), []).append(w)
+    pairs = []
+    for r in sorted(m.requests, key=lambda r: r["sent_ts"]):
+        if r["status"] != "ok":
+            continue
+        cands = pool_.get((r["tenant"], r["input_tokens"], r["output_tokens"]), [])
+        sent = r["sent_ts"] - m.t0_ts
+        after = [w for w in cands if w["started"] >= sent - 0.005]
+        if after:
+            w = min(after, key=lambda w: w["started"])
+            cands.remove(w)
+            pairs.append((r, w))
+    return pairs
+
+
+def path_latency(m) -> tuple[float, float]:
+    """Median (client send → worker start, worker first token → client first token) in seconds."""
+    pairs = match_requests(m)
+    if not pairs:
+        return 0.0, 0.0
+    d_in = statistics.median(w["started"] - (r["sent_ts"] - m.t0_ts) for r, w in pairs)
+    d_out = statistics.median((r["sent_ts"] - m.t0_ts + r["ttft_s"]) - w["first_token"] for r, w in pairs)
+    return max(0.0, d_in), max(0.0, d_out)
+
+
+def loop_overhead(m) -> dict[str, float]:
+    """Per device: seconds per iteration the worker spends outside the segments (busy time − segment time)."""
+    acc: dict[str, list[float]] = {}
+    for rep in m.reports:
+        a = acc.setdefault(rep["device"], [0.0, 0.0])
+        a[0] += rep["busy_ms"] - rep["segment_ms"]
+        a[1] += rep["steps"]
+    return {d: max(0.0, ms / 1e3 / n) for d, (ms, n) in acc.items() if n}
+
+
+def correction_factors(meas: dict[tuple, BucketStats], pred: dict[tuple, BucketStats]) -> dict[str, dict[str, float]]:
+    """Per device and segment kind: measured / predicted time over the buckets seen on both sides (the factor
+    the live CorrectionTable converges to, computed in one batch, weighted by measured executions)."""
+    num: dict[tuple[str, str], float] = {}
+    den: dict[tuple[str, str], float] = {}
+    for key, m in meas.items():
+        p = pred.get(key)
+        if p is None or not p.count:
+            continue
+        dev, kind, _ = key
+        num[(dev, kind)] = num.get((dev, kind), 0.0) + m.total
+        den[(dev, kind)] = den.get((dev, kind), 0.0) + m.count * p.mean
+    out: dict[str, dict[str, float]] = {}
+    for (dev, kind), n in num.items():
+        if den[(dev, kind)] > 0:
+            out.setdefault(dev, {})[kind] = min(5.0, max(0.2, n / den[(dev, kind)]))
+    return out
+
+
+# ---------------------------------------------------------------- errors of one replay
+def evaluate(m, rep, min_count: int) -> dict[str, Any]:
+    """All errors of one simulator replay against one measured phase."""
+    rows, seg = segment_errors(measured_segments(m), pool(rep.segment_predictions()), min_count)
+    dev_rows, dev_seg = segment_errors(measured_segments(m, pool_devices=False), rep.segment_predictions(),
+                                       min_count)
+    ttft, tpot, sim_ttft, real_ttft, sim_tpot, real_tpot = [], [], [], [], [], []
+    for r in m.requests:
+        p = rep.requests.get(r["id"])
+        if r["status"] != "ok" or p is None or r["ttft_s"] is None:
+            continue
+        ttft.append((p[0], r["ttft_s"]))
+        sim_ttft.append(p[0])
+        real_ttft.append(r["ttft_s"])
+        if r.get("tpot_s") and p[1] is not None:
+            tpot.append((p[1], r["tpot_s"]))
+            sim_tpot.append(p[1])
+            real_tpot.append(r["tpot_s"])
+    mem = {d: memory_timeline_error(rep.memory.get(d, []), pts, m.capacity_bytes.get(d) or rep.capacity[d])
+           for d, pts in m.memory.items() if pts}
+    t_q, p_q = ape_quantiles(ttft), ape_quantiles(tpot)
+    mem_mean = statistics.fmean(v["mean"] for v in mem.values()) if mem else float("nan")
+    return {"segment_mape": seg["mape"], "ttft_median_ape": t_q["p50"], "tpot_median_ape": p_q["p50"],
+            "memory_error_pct_capacity": mem_mean, "ttft_p90_ape": t_q["p90"], "tpot_p90_ape": p_q["p90"],
+            "detail": {
+                "segments": {"summary": seg, "min_count": min_count, "rows": [_row(r) for r in rows],
+                             "per_device": {"summary": dev_seg, "rows": [_row(r) for r in dev_rows]}},
+                "ttft": {"requests": len(ttft), "ape": t_q, "quantile_error": quantile_errors(sim_ttft, real_ttft),
+                         "measured_ms": _q(real_ttft), "predicted_ms": _q(sim_ttft)},
+                "tpot": {"requests": len(tpot), "ape": p_q, "quantile_error": quantile_errors(sim_tpot, real_tpot),
+                         "measured_ms": _q(real_tpot), "predicted_ms": _q(sim_tpot)},
+                "memory": {"per_device": mem,
+                           "max": max((v["max"] for v in mem.values()), default=float("nan"))}}}
+
+
+def _row(r: dict) -> dict:
+    return {"segment": "/".join(str(k) for k in r["key"][:-1]), "tokens_bucket": r["key"][-1], "count": r["count"],
+            "measured_ms": r["measured"], "predicted_ms": r["predicted"], "error": r["error"], "cv": r["cv"],
+            "rel_se": r["rel_se"]}
+
+
+def _q(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None}
+    s = sorted(values)
+    return {"p50": statistics.median(s) * 1e3, "p90": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e3}
+
+
+def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, min_count: int) -> dict[str, Any]:
+    """Both replays and their errors; the headline is the calibrated one when a calibration phase exists."""
+    from services.cli.accuracy_sim import replay
+    from shared.costmodel import ModelCost, load_profile
+
+    run = phases["run"]
+    plain = replay(cluster, tenants, evaluated)
+    out: dict[str, Any] = {"profile_only": evaluate(run, plain, min_count)}
+    if "calibration" in phases and calibration:
+        cal = phases["calibration"]
+        cal_rep = replay(cluster, tenants, calibration)
+        factors = correction_factors(measured_segments(cal, pool_devices=False), cal_rep.segment_predictions())
+        loop = loop_overhead(cal)
+        d_in, d_out = path_latency(cal)
+        models = {t.name: t.model.config for t in tenants.tenants}
+        kinds = {d.id: d.kind for d in cluster.devices}
+
+        def cost_of(device: str, tenant: str) -> ModelCost:
+            prof = load_profile(kinds[device])
+            prof = dataclasses.replace(prof, step_overhead_s=loop.get(device, prof.step_overhead_s))
+            return ModelCost(models[tenant], prof, factors.get(device, {}))
+
+        calibrated = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out)
+        out["calibrated"] = evaluate(run, calibrated, min_count)
+        out["calibration"] = {"requests": len(cal.requests), "correction_factors": factors,
+                              "step_overhead_s": loop, "dispatch_s": d_in, "delivery_s": d_out,
+                              "profile_step_overhead_s": {d: load_profile(k).step_overhead_s
+                                                          for d, k in kinds.items()}}
+    head = out.get("calibrated", out["profile_only"])
+    return {k: head[k] for k in ("segment_mape", "ttft_median_ape", "tpot_median_ape", "memory_error_pct_capacity",
+                                 "ttft_p90_ape", "tpot_p90_ape")} | {
+        "headline": "calibrated" if "calibrated" in out else "profile_only", **out}
+
+
+# ---------------------------------------------------------------- the command
+def windows(workload_file: str, duration_s: float, calibration_s: float) -> tuple[Any, list, list]:
+    """(workload, measured arrivals in [0, D), calibration arrivals of [D, D + C) moved to start at 0).
+
+    When the workload file ends before D + C, the calibration window comes from the same file with the next
+    seed instead (other arrivals of the same shape)."""
+    from services.cli.simulate import load_workload_file
+    from loadgen.workload import read_workload_spec, workload_from_spec
+
+    w = load_workload_file(workload_file, None)
+    evaluated = [r for r in w.requests if r.arrival_s < duration_s]
+    if not evaluated:
+        raise ConfigError(workload_file, "traces", f"no arrivals in the first {duration_s:g} s")
+    calib: list = []
+    if calibration_s > 0:
+        if duration_s + calibration_s <= (w.duration_s or 0):
+            calib = [dataclasses.replace(r, arrival_s=r.arrival_s - duration_s) for r in w.requests
+                     if duration_s <= r.arrival_s < duration_s + calibration_s]
+        if not calib:
+            spec = read_workload_spec(workload_file)
+            other = workload_from_spec(dataclasses.replace(spec, seed=spec.seed + 1))
+            calib = [r for r in other.requests if r.arrival_s < calibration_s]
+        calib = [dataclasses.replace(r, request_id=f"cal-{r.request_id}") for r in calib]
+    return w, evaluated, calib
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None or x != x else f"{x:.1%}"
+
+
+def print_report(res: dict[str, Any]) -> None:
+    variants = [v for v in ("profile_only", "calibrated") if v in res]
+    print("| error | target | " + " | ".join(v.replace("_", " ") for v in variants) + " |")
+    print("|---|---|" + "---:|" * len(variants))
+    for key, label, target in (("segment_mape", "per-segment latency MAPE", "≤ 10%"),
+                               ("ttft_median_ape", "TTFT median APE", "≤ 10%"),
+                               ("ttft_p90_ape", "TTFT p90 APE", ""),
+                               ("tpot_median_ape", "TPOT median APE", "≤ 10%"),
+                               ("tpot_p90_ape", "TPOT p90 APE", ""),
+                               ("memory_error_pct_capacity", "memory error (mean, % of capacity)", "≤ 5%")):
+        print(f"| {label} | {target} | " + " | ".join(_fmt(res[v][key]) for v in variants) + " |")
+    seg = res[res["headline"]]["detail"]["segments"]
+    print(f"\nsegment buckets scored: {seg['summary']['keys']} (≥ {seg['min_count']} executions); noise floor of "
+          f"the measured means {_fmt(seg['summary']['noise_floor'])}")
+    print("| segment | tokens ≤ | executions | measured ms | predicted ms | error | per-execution CV |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in seg["rows"]:
+        print(f"| {r['segment']} | {r['tokens_bucket']} | {r['count']} | {r['measured_ms']:.3f} | "
+              f"{r['predicted_ms']:.3f} | {r['error']:+.1%} | {r['cv']:.2f} |")
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.cli.accuracy_mesh import MeshMeasurement, run_mesh
+    from services.cli.profile import machine_description
+    from shared.costmodel import load_profile
+
+    if args.duration_s <= 0 or args.calibration_s < 0:
+        print("slicesched bench accuracy: --duration-s must be positive and --calibration-s >= 0", file=sys.stderr)
+        return 2
+    cluster = load_cluster(args.cluster)
+    tenants = load_tenants(args.tenants, cluster)
+    w, evaluated, calib = windows(args.workload, args.duration_s, args.calibration_s)
+    missing = sorted({r.tenant for r in evaluated + calib} - set(tenants.names()))
+    if missing:
+        raise ConfigError(args.tenants, "tenants", f"the workload's tenant {missing[0]!r} is not served by this mesh")
+    t0 = time.perf_counter()
+    if args.from_raw:
+        raw = json.loads(Path(args.from_raw).read_text())
+        phases = {k: MeshMeasurement.from_dict(v) for k, v in raw["phases"].items()}
+        calib = calib if "calibration" in phases else []
+    else:
+        plan = ([("calibration", calib)] if calib else []) + [("run", evaluated)]
+        print(f"running the CPU mesh: {len(calib)} calibration + {len(evaluated)} measured requests ...",
+              file=sys.stderr)
+        phases = run_mesh(args.cluster, args.tenants, plan)
+        if args.raw_out:
+            Path(args.raw_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.raw_out).write_text(json.dumps({"phases": {k: v.to_dict() for k, v in phases.items()}}))
+    mesh_s = time.perf_counter() - t0
+    res = analyse(phases, cluster, tenants, evaluated, calib, args.min_count)
+    prof = load_profile(cluster.devices[0].kind)
+    res.update(workload=args.workload, duration_s=args.duration_s, calibration_s=args.calibration_s if calib else 0,
+               requests=len(evaluated), machine=machine_description("cpu"),
+               date=time.strftime("%Y-%m-%d", time.gmtime()), wall_s=time.perf_counter() - t0, mesh_s=mesh_s,
+               profile={"kind": prof.kind, "source": prof.source, "file": prof.file})
+    print_report(res)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(res, indent=1, default=str))
+    return 0

@@ -236,6 +236,7 @@ class WhatIfCandidate(msgspec.Struct, frozen=True, kw_only=True):
     input_tokens: int = 0
     output_tokens: int = 0
     request_id: str = ""
+    mode: str = "segments"  # lease mode: segments (MLP blocks of the home's batch) | sequences (segments ["*"])
 
 
 class WhatIfQuery(Msg, frozen=True, kw_only=True):

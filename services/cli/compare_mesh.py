@@ -67,13 +67,18 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
     with tempfile.TemporaryDirectory(prefix=f"slicesched-{fidelity}-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()), tenants_file=tenants,
                             data_dir=Path(tmp), gateway_port=0, policy=policy, prefix="bench:")
+        hook = getattr(args, "mesh_hook", None)  # bench results: reads the run's streams for a busy-time timeline
         t0 = time.perf_counter()
         launcher.start()
         try:
+            if hook is not None:
+                hook.started(launcher, policy, scale)
             summary = run_replay(args.workload, launcher.gateway_url, str(Path(tmp) / "replay"), tenants_file=tenants,
                                  rate_scale=scale, duration_s=args.duration_s, progress=False,
                                  timeout_s=getattr(args, "request_timeout_s", 120.0))
             leases = _scheduler_leases(launcher.redis_url, "bench:")
+            if hook is not None:
+                hook.finished(launcher, policy, scale, summary)
         finally:
             launcher.stop(drain_s=10)
     return {"tokens_per_s": summary["tokens_per_s"], "violation_rate": summary["violation_rate"],

@@ -26,7 +26,9 @@ BENCH: dict[str, tuple[str, str]] = {
     "decisions": ("services.cli.bench_decisions", "scheduling decision latency against Redis"),
     "transport": ("services.cli.bench_transport", "tensor transport bandwidth/latency per backend"),
     "whatif": ("services.cli.bench_whatif", "what-if RPC latency on a synthetic twin"),
+    "guest": ("services.cli.bench_guest", "guest execution: segment RPC cost, step time alone vs leased"),
     "simspeed": ("services.cli.bench_simspeed", "simulator speed: events/s on a trace"),
+    "results": ("services.cli.bench_results", "regenerate docs/results.md and the README headline"),
     "overload": ("services.cli.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
 }
 

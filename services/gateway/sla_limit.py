@@ -11,7 +11,9 @@ is on packet loss:
   generation of requests (only a request admitted after the previous cut can cut again);
 * a request within the targets raises the limit by ``1 / limit`` (about one per round trip), and only when the
   limit is in use, so a quiet period does not inflate it;
-* until the first cut the limit is the tenant's ``max_queue``: a tenant that never overloads never sees it.
+* until the first cut the limit is the tenant's ``max_queue``: a tenant that never overloads never sees it;
+* the limit never goes below ``MIN_LIMIT`` (nor above ``max_queue``): a few requests in flight do not make each
+  other late, so a short stall of the device or the host must not turn into refusals.
 
 The signal is the latency the tenant's own requests get, so the limit follows whatever capacity is left to the
 tenant (batch size, a slow or shared device, CPU contention) without a model of it. Pure: no clock, no I/O.
@@ -22,7 +24,9 @@ import math
 from dataclasses import dataclass
 
 DECREASE = 0.7
-MIN_LIMIT = 1.0
+# Below this many requests in flight, concurrency is not what makes a request late (a batch of a few sequences
+# costs about what one does), so a late request is blamed on something shedding cannot fix and the limit stays.
+MIN_LIMIT = 8.0
 
 
 @dataclass
@@ -44,7 +48,7 @@ class SlaLimiter:
     @property
     def current(self) -> int:
         """Requests the tenant may have in flight now."""
-        return max(int(MIN_LIMIT), math.floor(self.limit))
+        return min(int(self.max_limit), max(int(MIN_LIMIT), math.floor(self.limit)))
 
     def allows(self, inflight: int) -> bool:
         return inflight < self.current

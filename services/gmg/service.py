@@ -116,6 +116,13 @@ class GMGService:
         """Mark stale devices down and expire ended leases; returns the number of changes."""
         now = time.time() if now is None else now
         n = 0
+        if not await self.redis.exists(self.store.keys.devices):
+            # Redis lost the GMG (restarted without persistence, or flushed): register again, restore the core
+            log.error("gmg_state_lost_reregistering")
+            epoch = await self.store.register_cluster(self.cluster, self.tenants)
+            await self._restore()
+            self.m_epoch.set(epoch)
+            n += 1
         for op, batch in self.core.sweep(now):
             epoch = await self.store.apply(op, batch)
             self.m_epoch.set(epoch)

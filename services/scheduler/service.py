@@ -126,8 +126,10 @@ class SchedulerService:
         if req.tenant not in self.core.queues.bounds:
             await self._fail(req, 400, "unknown_tenant", f"tenant {req.tenant!r} is not configured", state="rejected")
             return ACK
-        if req.request_id in self.assigned or self.core.queues.find(req.request_id):
-            return DEFER if self.core.queues.find(req.request_id) else ACK  # duplicate delivery
+        queued = self.core.queues.find(req.request_id)
+        if req.request_id in self.assigned or queued is not None:
+            # our own queued entry re-delivered (reclaim) stays pending; a second copy of it is acked at once
+            return DEFER if queued is not None and queued.entry_id == d.entry_id else ACK
         created = await self.redis.hsetnx(req_key(self.p, req.request_id), "state", "queued")
         if not created:
             state = await self.redis.hget(req_key(self.p, req.request_id), "state")

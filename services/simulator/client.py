@@ -20,7 +20,7 @@ from shared.streams import StreamProducer, entry_payload
 
 log = structlog.get_logger()
 
-RPC_MAXLEN = 10_000
+RPC_MAXLEN = 100_000  # far above any live backlog; entries that old are long past their deadline
 
 
 class WhatIfTimeout(asyncio.TimeoutError):

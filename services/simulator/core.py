@@ -32,7 +32,7 @@ class SimulatorCore:
         self.corrections = CorrectionTable()
         self.twin = Twin(cluster, tenants, book=RequestBook(), rates=RateEstimator(rate_window_s),
                          corrections=self.corrections)
-        self.evaluator = WhatIfEvaluator(cluster, tenants, self.twin.cost, self.twin.profiles)
+        self.evaluator = WhatIfEvaluator(cluster, tenants, self.corrections)
         self.view: TwinView | None = None
         self.view_ts = 0.0
 
@@ -78,9 +78,11 @@ class SimulatorCore:
     # ------------------------------------------------------------ twin refresh
     def refresh(self, snap: GMGSnapshot, now: float) -> TwinView:
         """Rebuild per-device work and baseline forecasts for ``snap``."""
+        self.evaluator.whatif.update()
         works = self.twin.device_work(snap, now)
         forecasts = {d: forecast_device(w, self.horizon_s) for d, w in works.items()}
-        self.view = TwinView(snap.epoch, snap, works, forecasts, self.horizon_s)
+        self.view = TwinView(snap.epoch, snap, works, forecasts, self.horizon_s,
+                             self.twin.cluster_snapshot(snap, works, now))
         self.view_ts = now
         return self.view
 

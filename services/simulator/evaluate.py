@@ -1,24 +1,24 @@
-"""What-if evaluation of candidate placements against the twin (analytical, per candidate O(affected devices)).
+"""What-if evaluation of candidate placements against the twin.
 
-For a ``lease`` candidate the tenant's home iteration is re-costed with the offloaded segments
-(:func:`shared.sim.offload.offloaded_iteration_time`, pipelined micro-batches); the guest's own tenant loses at most
-the lease's share of the guest's time plus one segment of preemption delay; the guest's memory peak over the
-horizon gains the lease buffers and the staging of segments not yet resident. For an ``admit`` candidate the
-request's TTFT is its queue wait plus its prefill iteration, and the batch's TPOT is re-costed with it.
+``lease`` candidates go to the simulator library's analytical what-if (:class:`shared.sim.whatif.WhatIf`, the same
+object the ``slice`` policy uses offline) over the twin's :class:`ClusterSnapshot`; its result is translated into
+the RPC's :class:`WhatIfOutcome`. ``admit`` candidates (a request on a device) are costed here from the same cost
+model: the request's TTFT is its queue wait plus its prefill iteration, the batch's TPOT is re-costed with it, and
+the device's predicted memory peak gains its KV.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from shared.config import ClusterConfig, TenantsConfig
-from shared.costmodel.profiles import DeviceProfile
+from shared.costmodel import CorrectionTable, ModelCost, load_profile
 from shared.gmg.snapshot import GMGSnapshot
 from shared.messages import DeviceForecast, RequestPrediction, WhatIfCandidate, WhatIfOutcome
 from shared.model.graph import parse_segment
-from shared.sim.offload import OffloadPart, offloaded_iteration_time
+from shared.policies.actions import GrantLease
+from shared.policies.snapshot import ClusterSnapshot, TenantState
+from shared.sim.whatif import WhatIf, WhatIfResult
 from services.simulator.forecast import DeviceWork, Forecast
-
-MICRO_BATCHES = 2
 
 
 @dataclass
@@ -30,6 +30,7 @@ class TwinView:
     works: dict[str, DeviceWork]
     forecasts: dict[str, Forecast]
     horizon_s: float
+    cluster: ClusterSnapshot
 
 
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -42,23 +43,47 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _fill_idle(f: Forecast, need_s: float, until: float) -> list[tuple[float, float]]:
-    """Busy intervals of ``f`` plus ``need_s`` seconds of guest work placed in its idle gaps before ``until``."""
-    extra = []
-    for s, e in f.idle():
-        if need_s <= 0 or s >= until:
-            break
-        take = min(need_s, min(e, until) - s)
-        extra.append((s, s + take))
-        need_s -= take
-    return _merge(f.busy + extra)
+class CorrectedWhatIf(WhatIf):
+    """The library's what-if with the service's online correction: per device kind, the mean factor per segment
+    kind over the devices of that kind."""
+
+    def __init__(self, corrections: CorrectionTable, kinds: dict[str, str]) -> None:
+        super().__init__()
+        self.corrections, self.kinds = corrections, kinds
+        self._corr: dict[str, tuple] = {}
+        self._cache: dict[tuple, tuple[tuple, ModelCost]] = {}
+
+    def update(self) -> None:
+        """Take the correction table's current factors (called once per twin refresh, not per candidate)."""
+        sums: dict[str, dict[str, list[float]]] = {}
+        for dev, kind in self.kinds.items():
+            for op, f in self.corrections.factors_for(dev).items():
+                sums.setdefault(kind, {}).setdefault(op, []).append(f)
+        self._corr = {kind: tuple(sorted((op, round(sum(v) / len(v), 2)) for op, v in ops.items()))
+                      for kind, ops in sums.items()}
+
+    def cost(self, tenant: TenantState, kind: str) -> ModelCost:
+        corr = self._corr.get(kind)
+        if not corr:
+            return super().cost(tenant, kind)
+        key = (tenant.model, kind)
+        hit = self._cache.get(key)
+        if hit is None or hit[0] != corr:
+            hit = self._cache[key] = (corr, ModelCost(tenant.model, load_profile(kind), dict(corr)))
+        return hit[1]
+
+
+def _slots_to_busy(slots: list[tuple[float, float, float]], now: float) -> list[tuple[float, float]]:
+    """The library's per-slot busy fractions as intervals from now (each slot busy for its fraction, at its start)."""
+    return _merge([(s - now, s - now + f * (e - s)) for s, e, f in slots if f > 0])
 
 
 class WhatIfEvaluator:
-    """Evaluates candidates on a :class:`TwinView`; ``cost(tenant, device)`` gives corrected ModelCosts."""
+    """Evaluates candidates on a :class:`TwinView`."""
 
-    def __init__(self, cluster: ClusterConfig, tenants: TenantsConfig, cost, profiles: dict[str, DeviceProfile]):
-        self.cluster, self.tenants, self.cost, self.profiles = cluster, tenants, cost, profiles
+    def __init__(self, cluster: ClusterConfig, tenants: TenantsConfig, corrections: CorrectionTable):
+        self.cluster, self.tenants = cluster, tenants
+        self.whatif = CorrectedWhatIf(corrections, {d.id: d.kind for d in cluster.devices})
         self.sla = {t.name: t.sla for t in tenants.tenants}
         self.homes = {t.name: t.home_devices for t in tenants.tenants}
 
@@ -81,67 +106,48 @@ class WhatIfEvaluator:
         home = c.home_device or (self.homes[c.tenant][0] if self.homes[c.tenant] else "")
         if home not in view.works or home == c.device:
             return _bad(index, f"bad_home:{home}")
-        wh, wg = view.works[home], view.works[c.device]
-        ca, cg = self.cost(c.tenant, home), self.cost(c.tenant, c.device)
-        layers = ca.layers
-        for s in c.segments:
-            try:
-                kind, layer = parse_segment(s)
-            except ValueError:
-                return _bad(index, f"bad_segment:{s}")
-            if kind != "mlp" or layer >= layers:
-                return _bad(index, f"bad_segment:{s}")
-        if not c.segments or not 0 < c.share <= 1:
+        layers = self.tenants.get(c.tenant).model.config.num_hidden_layers
+        if c.mode == "sequences":
+            segs = ("*",)
+        else:
+            for s in c.segments:
+                try:
+                    kind, layer = parse_segment(s)
+                except ValueError:
+                    return _bad(index, f"bad_segment:{s}")
+                if kind != "mlp" or layer >= layers:
+                    return _bad(index, f"bad_segment:{s}")
+            segs = tuple(c.segments)
+        if not segs or not 0 < c.share <= 1:
             return _bad(index, "bad_lease:segments_or_share")
-        reasons: list[str] = []
+        g = GrantLease(c.tenant, home, c.device, segs, c.duration_s or view.horizon_s, c.share, c.memory_bytes,
+                       mode=c.mode)
+        r: WhatIfResult = self.whatif.evaluate(view.cluster, [g], view.horizon_s)[0]
+        wh, wg = view.works[home], view.works[c.device]
+        gt = wg.tenant
+        reasons = [f"{b}:{gt if b.startswith('guest_') else c.tenant if b == 'lease_tpot' else c.device}"
+                   for b in r.breaks]
         if not wg.up:
             reasons.append(f"device_down:{c.device}")
-        fh, fg = view.forecasts[home], view.forecasts[c.device]
-        window = min(view.horizon_s, c.duration_s or view.horizon_s)
-        # memory on the guest: buffers plus staging of segments it does not hold yet
-        resident = view.snap.resident.get(c.device, {})
-        staging = sum(cg.mlp_weight_bytes for s in c.segments if (c.tenant, s) not in resident)
-        peak_g = fg.peak_bytes + c.memory_bytes + staging
-        mem_ok = peak_g <= wg.limit
-        if not mem_ok:
-            reasons.append(f"memory:{c.device}")
-        # the home's iteration with the segments offloaded
-        n, kv = len(wh.seqs), sum(s.ctx for s in wh.seqs)
-        idle_frac = max(0.0, 1.0 - fg.busy_s / max(fg.horizon_s, 1e-9))
-        avail = idle_frac + (1.0 - idle_frac) * c.share
-        link_kind = self.cluster.link_kind(home, c.device)
-        part = OffloadPart(c.device, len(c.segments), c.share, self.profiles[home].link(link_kind), cg)
-        preds: list[RequestPrediction] = []
-        gain_ms, demand = 0.0, 0.0
-        sla_a, sla_b = self.sla[c.tenant], self.sla.get(wg.tenant)
-        sla_ok = True
-        if n:
-            before = ca.iteration_time(n, kv)
-            t = offloaded_iteration_time(ca, [part], [avail], n, kv, micro_batches=MICRO_BATCHES)
-            after = t.total_s
-            gain_ms = (before - after) * 1e3
-            demand = t.guest_busy_s[0] / max(after, 1e-12)
-            ok = after * 1e3 <= sla_a.tpot_ms or after <= before
-            sla_ok &= ok
-            if not ok:
-                reasons.append(f"sla_tpot:{c.tenant}")
-            preds += [RequestPrediction(s.request_id, c.tenant, home, 0.0, after * 1e3, ok) for s in wh.seqs]
-        # the guest's own tenant: loses min(share, demand) of its time while busy, plus one segment of preemption
-        nb = len(wg.seqs)
-        if nb and sla_b is not None and wg.cost is not None:
-            tm = -(-max(n, 1) // MICRO_BATCHES)
-            b_before = fg.iteration_s
-            b_after = b_before / max(1e-6, 1.0 - min(c.share, demand)) + cg.mlp_time(tm)
-            ok = b_after * 1e3 <= sla_b.tpot_ms or b_before * 1e3 > sla_b.tpot_ms
-            sla_ok &= ok
-            if not ok:
-                reasons.append(f"sla_tpot:{wg.tenant}")
-            preds += [RequestPrediction(s.request_id, wg.tenant, c.device, 0.0, b_after * 1e3, ok) for s in wg.seqs]
-        guest_busy = _fill_idle(fg, demand * window, window)
-        devices = [DeviceForecast(home, fh.busy, fh.peak_bytes, fh.limit),
-                   DeviceForecast(c.device, guest_busy, peak_g, wg.limit)]
-        return WhatIfOutcome(index=index, feasible=mem_ok and sla_ok and wg.up, memory_ok=mem_ok, sla_ok=sla_ok,
-                             reasons=reasons, gain_ms=gain_ms, requests=preds, devices=devices)
+        mem_ok = not any(b.startswith("memory") for b in r.breaks)
+        sla_ok = not any(b in ("guest_ttft", "guest_tpot", "lease_tpot") for b in r.breaks)
+        sla_a = self.sla[c.tenant]
+        a_ok = r.tpot_s * 1e3 <= sla_a.tpot_ms or r.tpot_s <= r.home_iter_s
+        preds = [RequestPrediction(s.request_id, c.tenant, home, 0.0, r.tpot_s * 1e3, a_ok) for s in wh.seqs]
+        if wh.queued:
+            preds.append(RequestPrediction(f"queued:{c.tenant}", c.tenant, home, r.ttft_s * 1e3, r.tpot_s * 1e3,
+                                           r.ttft_s * 1e3 <= sla_a.ttft_ms or r.ttft_s <= r.ttft_before_s))
+        if gt:
+            g_ok = "guest_tpot" not in r.breaks
+            preds += [RequestPrediction(s.request_id, gt, c.device, 0.0, r.guest_tpot_s * 1e3, g_ok) for s in wg.seqs]
+            preds.append(RequestPrediction(f"typical:{gt}", gt, c.device, r.guest_ttft_s * 1e3, r.guest_tpot_s * 1e3,
+                                           g_ok and "guest_ttft" not in r.breaks))
+        now, fh = view.cluster.now, view.forecasts[home]
+        devices = [DeviceForecast(home, _slots_to_busy(r.busy_timeline.get(home, []), now), fh.peak_bytes, fh.limit),
+                   DeviceForecast(c.device, _slots_to_busy(r.busy_timeline.get(c.device, []), now),
+                                  r.guest_memory_peak_bytes, wg.limit)]
+        return WhatIfOutcome(index=index, feasible=r.ok and wg.up, memory_ok=mem_ok, sla_ok=sla_ok, reasons=reasons,
+                             gain_ms=(r.home_iter_s - r.leased_iter_s) * 1e3, requests=preds, devices=devices)
 
     # ------------------------------------------------------------ admit
     def _admit(self, view: TwinView, index: int, c: WhatIfCandidate) -> WhatIfOutcome:

@@ -101,6 +101,7 @@ class SimulatorService:
         """Rebuild the twin's work and forecasts, one device at a time so what-if answers are not held up."""
         now = time.time()
         snap = self.follower.snapshot
+        self.core.evaluator.whatif.update()
         await asyncio.sleep(0)
         rates = self.core.twin.rates.rates(now)
         works, forecasts = {}, {}
@@ -108,7 +109,9 @@ class SimulatorService:
             w = works[d] = self.core.twin.work_of(snap, d, now, rates)
             forecasts[d] = forecast_device(w, self.core.horizon_s)
             await asyncio.sleep(0)
-        self.core.view, self.core.view_ts = TwinView(snap.epoch, snap, works, forecasts, self.core.horizon_s), now
+        cluster = self.core.twin.cluster_snapshot(snap, works, now)
+        self.core.view = TwinView(snap.epoch, snap, works, forecasts, self.core.horizon_s, cluster)
+        self.core.view_ts = now
         self.m_epoch.set(snap.epoch)
         return self.core.view
 

@@ -147,32 +147,34 @@ class Twin:
                           mean_output=mo or self.default_output, kv_bytes_per_token=kvpt,
                           up=dev.state in UP_STATES)
 
-    def cluster_snapshot(self, snap: GMGSnapshot, now: float) -> ClusterSnapshot:
+    def cluster_snapshot(self, snap: GMGSnapshot, works: dict[str, DeviceWork], now: float) -> ClusterSnapshot:
         """The policies' snapshot of the live cluster (the same type the offline simulator keeps)."""
+        shares: dict[str, float] = {}
+        for x in snap.leases.values():
+            shares[x.guest] = shares.get(x.guest, 0.0) + x.share
         devices = {}
         for did, d in snap.devices.items():
-            kinds = snap.reserved_by_kind(did)
+            w = works.get(did)
+            seqs = w.seqs if w else []
             pinned = {k for k, n in snap.pins.get(did, {}).items() if n > 0}
             staged = {k: n for k, n in snap.resident.get(did, {}).items() if k[0] != d.home_tenant}
-            running = snap.requests.get(did, {})
-            kv_ctx = sum((self.book.get(r).input_tokens if self.book.get(r) else self.default_input) for r in running)
+            queued = w.queued if w else d.queued
             devices[did] = DeviceState(
                 id=did, kind=d.kind, host=d.host, capacity_bytes=d.capacity, headroom_bytes=d.headroom,
                 home_tenant=d.home_tenant or None, tenants=[d.home_tenant] if d.home_tenant else [],
-                used_bytes=d.reserved, kv_bytes=kinds.get("kv", 0), staged_bytes=sum(staged.values()),
-                evictable_bytes=sum(n for k, n in staged.items() if k not in pinned), queued=d.queued,
-                running=len(running) or d.running, decode_kv_tokens=kv_ctx, busy=d.busy_ratio > 0.5,
-                guest_share=0.0, resident=staged, draining=d.state == "draining" or d.state == "down")
-        leases = {}
-        for lid, x in snap.leases.items():
-            leases[lid] = LeaseState(lid, x.tenant, x.home, x.guest, x.segments, x.start_ts - now, x.end_ts - now,
-                                     x.nbytes, 1.0, state="active")
+                used_bytes=d.reserved, kv_bytes=snap.reserved_by_kind(did).get("kv", 0),
+                staged_bytes=sum(staged.values()), evictable_bytes=sum(n for k, n in staged.items() if k not in pinned),
+                queued=queued, running=len(seqs), queued_prefill_tokens=int(queued * (w.mean_input if w else 0)),
+                decode_kv_tokens=sum(s.ctx for s in seqs), busy=bool(seqs or queued),
+                guest_share=shares.get(did, 0.0), resident=staged, draining=d.state in ("draining", "down"))
+        leases = {lid: LeaseState(lid, x.tenant, x.home, x.guest, x.segments, x.start_ts, x.end_ts, x.nbytes,
+                                  x.share, mode=x.mode, state="active") for lid, x in snap.leases.items()}
         tenants = {}
         for t in self.tenants.tenants:
             mi, mo = self.means(t.name)
+            homes = [devices[h] for h in t.home_devices if h in devices]
             tenants[t.name] = TenantState(t.name, t.model.config, t.sla, list(t.home_devices),
-                                          queued=sum(devices[h].queued for h in t.home_devices if h in devices),
-                                          running=sum(devices[h].running for h in t.home_devices if h in devices),
+                                          queued=sum(h.queued for h in homes), running=sum(h.running for h in homes),
                                           rate_rps=self.rates.rate(t.name, now), mean_input=mi, mean_output=mo,
                                           slack_s=math.inf)
         return ClusterSnapshot(now=now, devices=devices, tenants=tenants, leases=leases,

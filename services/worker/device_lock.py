@@ -32,6 +32,7 @@ class LockStats:
     home_wait_total_s: float = 0.0
     home_wait_on_guest_max_s: float = 0.0  # longest wait that started while a guest segment held the device
     home_waits_on_guest: int = 0  # home steps that arrived while a guest segment held the device
+    yield_lag_max_s: float = 0.0  # longest time from a guest segment ending to the waiting home step starting
     guest_runs: int = 0
     guest_busy_s: float = 0.0
     guest_run_max_s: float = 0.0
@@ -48,6 +49,8 @@ class DeviceLock:
         self._home_waiting = 0
         self._waiting: dict[str, int] = {}  # lease id -> guest segments waiting for the device
         self._turn_until = 0.0  # a guest with credit may start before a newly arriving home step until then
+        self._guest_ends = 0  # guest segments finished so far
+        self._last_guest_end = 0.0
         self._credit: dict[str, float] = {}
         self._shares: dict[str, float] = {}
         self.home_busy = home_busy
@@ -74,6 +77,7 @@ class DeviceLock:
         t0 = self.clock()
         with self._cv:
             on_guest = self._holder == "guest" or self._guest_turn()
+            ends_seen = self._guest_ends
             self._home_waiting += 1
             try:
                 while self._holder is not None or self._guest_turn():
@@ -81,13 +85,15 @@ class DeviceLock:
             finally:
                 self._home_waiting -= 1
             self._holder = "home"
-        t1 = self.clock()
+            t1 = self.clock()
+            lag = t1 - self._last_guest_end if on_guest and self._guest_ends > ends_seen else 0.0
         s = self.stats
         s.home_acquires += 1
         s.home_wait_total_s += t1 - t0
         s.home_wait_max_s = max(s.home_wait_max_s, t1 - t0)
         if on_guest:
             s.home_waits_on_guest += 1
+            s.yield_lag_max_s = max(s.yield_lag_max_s, lag)
             s.home_wait_on_guest_max_s = max(s.home_wait_on_guest_max_s, t1 - t0)
         try:
             yield
@@ -148,6 +154,8 @@ class DeviceLock:
             dur = self.clock() - t1
             with self._cv:
                 self._holder = None
+                self._guest_ends += 1
+                self._last_guest_end = self.clock()
                 if charged and lease_id in self._credit:
                     self._credit[lease_id] -= dur
                 s = self.stats

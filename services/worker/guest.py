@@ -138,6 +138,11 @@ class GuestHost:
             log.info("guest_lease_ended", lease_id=lease_id, tenant=lease.tenant, reason=reason, served=lease.served,
                      busy_ms=round(lease.busy_s * 1e3, 1))
 
+    def close(self) -> None:
+        """End every lease (staging threads stop at their next step)."""
+        for lid in list(self.leases):
+            self.revoke(lid, "worker_stopping")
+
     def expire(self) -> None:
         now = self.clock()
         for lease in list(self.leases.values()):

@@ -28,7 +28,7 @@ from services.worker.driver import DriverLink, DriverOptions, HomeWeights, Lease
 from services.worker.guest import GuestHost, GuestLease, StagedWeights
 from services.worker.segment_server import SegmentClient, SegmentServer, TensorMover
 from services.worker.segment_wire import FrameError, LeaseStatusQuery, WeightsQuery
-from shared.config import ClusterConfig, DeviceConfig, TenantConfig, TenantsConfig
+from shared.config import ClusterConfig, ConfigError, DeviceConfig, TenantConfig, TenantsConfig
 from shared.gmg import GMGStore, Refused
 from shared.gmg.leases import LeaseStore
 from shared.messages import LeaseGranted, LeaseRevoked
@@ -97,19 +97,34 @@ class LeaseAgent:
         """Open the tensor transport and the segment server; publish the server's address."""
         self.loop = asyncio.get_running_loop()
         if len(self.cluster.devices) > 1:
-            from shared.transport import make_transport
-            self.transport = make_transport(self.cluster, self.device.id, bind_host=self.opts.bind_host)
-            await self.transport.start()
+            self.transport = await self._open_transport()
         self.mover = TensorMover(self.device.id, self.transport, self.loop, self.opts.inline_max_bytes)
         configs = {t.name: t.model.config for t in self.tenants.tenants}
         self.guest = GuestHost(self.device.id, configs, self.lock, self.weights, self._weight_source, self.mover,
                                on_segment=self._record)
         self.home_weights = HomeWeights(self.tenant.name, self.engine.model, self.mover)
-        self.server = SegmentServer(self, self.opts.bind_host, 0, self.opts.advertise_host)
+        wildcard = self.opts.bind_host in ("0.0.0.0", "::", "")
+        self.server = SegmentServer(self, self.opts.bind_host or "0.0.0.0", 0,
+                                    self.opts.advertise_host or (self.device.host if wildcard else None))
         addr = self.server.start()
         await self.redis.hset(health_key(self.p, "worker", self.device.id), "segment_addr", addr)
         log.info("segment_server_listening", addr=addr, transport=",".join(sorted(
             getattr(self.transport, "transports", {}) or [])), inline_max_bytes=self.opts.inline_max_bytes)
+
+    async def _open_transport(self):
+        """The tensor transport for large tensors, or None (everything inline) where it cannot be opened here:
+        NCCL needs every member to join at start-up, which the worker does not do yet."""
+        from shared.transport import TransportError, make_transport
+        try:
+            mux = make_transport(self.cluster, self.device.id, bind_host=self.opts.bind_host)
+            if "nccl" in mux.transports:
+                log.warning("tensor_transport_inline_only", reason="nccl links are not joined by workers yet")
+                return None
+            await mux.start()
+            return mux
+        except (ConfigError, TransportError, OSError) as e:
+            log.warning("tensor_transport_inline_only", reason=str(e))
+            return None
 
     async def close(self) -> None:
         for t in self._tasks.values():
@@ -118,6 +133,8 @@ class LeaseAgent:
             link.state = "ended"
             if link.client is not None:
                 link.client.close()
+        if self.guest is not None:
+            self.guest.close()
         for c in self._fetchers.values():
             c.close()
         if self.server is not None:
@@ -330,6 +347,6 @@ class LeaseAgent:
             "guest_run_max_ms": round(s.guest_run_max_s * 1e3, 3),
             "home_wait_max_ms": round(s.home_wait_max_s * 1e3, 3),
             "home_wait_on_guest_max_ms": round(s.home_wait_on_guest_max_s * 1e3, 3),
-            "home_waits_on_guest": s.home_waits_on_guest, "guest_refused_busy": s.guest_refused,
+            "home_waits_on_guest": s.home_waits_on_guest, "yield_lag_max_ms": round(s.yield_lag_max_s * 1e3, 3), "guest_refused_busy": s.guest_refused,
             "staged_bytes": self.weights.nbytes, "staged_segments": len(self.weights.entries()),
         }

@@ -28,6 +28,7 @@ from shared.transport.base import TensorHandle, Transport
 
 log = structlog.get_logger(__name__)
 Reply = list[tuple[SegmentFrame, "memoryview | bytes"]]
+SEND_TIMEOUT_S = 10.0
 
 
 class FrameHandler(Protocol):
@@ -113,11 +114,15 @@ class SegmentServer:
         try:
             while True:
                 msg, payload = reader.read()
-                for header, body in self.handler.handle(msg, payload):
+                reply = self.handler.handle(msg, payload)
+                conn.settimeout(SEND_TIMEOUT_S)  # a peer that stops reading costs this connection only
+                for header, body in reply:
                     send_frame(conn, header, body)
         except (ConnectionError, OSError) as e:
             if not self._closed and not isinstance(e, ConnectionResetError):
                 log.info("segment_connection_closed", error=repr(e))
+        except Exception:  # a handler bug: drop this connection (the peer runs its segments itself)
+            log.exception("segment_handler_failed")
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -170,8 +175,8 @@ class AsyncSegmentServer:
                     if len(body):
                         writer.write(body)
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, FrameError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, FrameError, asyncio.CancelledError):
+            pass  # peer gone, bad frame, or the server closing: drop this connection
         finally:
             writer.close()
 
@@ -204,7 +209,7 @@ class SegmentClient:
         msg = SegmentCall(call_id=cid, lease_id=lease_id, tenant=tenant, segment=segment, micro_batch=micro_batch,
                           shape=list(hidden.shape), dtype=wire_dtype(hidden), handle=handle,
                           timeout_ms=timeout_s * 1e3)
-        self.send(msg, payload)
+        self.send(msg, payload, timeout_s)
         self._waiting.add(cid)
         return cid
 
@@ -219,8 +224,10 @@ class SegmentClient:
         finally:
             self._waiting.discard(call_id)
 
-    def send(self, msg: SegmentFrame, payload: memoryview | bytes = b"") -> None:
+    def send(self, msg: SegmentFrame, payload: memoryview | bytes = b"", timeout_s: float = SEND_TIMEOUT_S) -> None:
+        """Write one frame; a send that does not complete in ``timeout_s`` leaves the connection unusable."""
         with self._send_lock:
+            self.sock.settimeout(timeout_s)
             send_frame(self.sock, msg, payload)
 
     def request(self, msg: SegmentFrame, timeout_s: float = 5.0) -> tuple[SegmentFrame, bytearray]:

@@ -25,6 +25,7 @@ from shared.model.config import ModelConfig
 from shared.model.graph import ModelGraph
 
 BUCKETS = (16, 64, 256, 1024)
+STARTS = tuple((launch, ce, me) for launch in (1e-6, 1e-5, 5e-5) for ce in (0.1, 0.5) for me in (0.02, 0.3))
 MIN_EFF = 1e-4
 
 
@@ -122,12 +123,12 @@ class _Problem:
 
     def jacobian(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         pred, ct, mt, launch = self.predict(theta)
-        J = np.zeros((self.n, self.nparams))
         comp = ct >= mt
-        np.add.at(J, (self.tp[comp], self.ic[comp]), -ct[comp])
-        np.add.at(J, (self.tp[~comp], self.im[~comp]), -mt[~comp])
-        np.add.at(J, (self.tp, self.il), launch)
-        return pred, J / pred[:, None]
+        size = self.n * self.nparams
+        flat = self.tp * self.nparams
+        J = np.bincount(flat + np.where(comp, self.ic, self.im), weights=-np.where(comp, ct, mt), minlength=size)
+        J += np.bincount(flat + self.il, weights=launch, minlength=size)
+        return pred, J.reshape(self.n, self.nparams) / pred[:, None]
 
 
 def _smoothness(nc: int, nb: int, nparams: int) -> np.ndarray:
@@ -144,15 +145,18 @@ def _smoothness(nc: int, nb: int, nparams: int) -> np.ndarray:
 
 def fit_rates(data: Sequence[tuple[ModelConfig, Measurement]], *, peak_flops: float, mem_bandwidth: float,
               buckets: Sequence[int] = BUCKETS, per_class_launch: bool = False, smooth: float = 1.0,
-              max_iter: int = 200) -> FitResult:
-    """Fit effective (FLOP/s, bytes/s) per (class, bucket) and the launch overhead(s) to ``data``."""
+              max_iter: int = 200, starts: Sequence[tuple[float, float, float]] = STARTS) -> FitResult:
+    """Fit effective (FLOP/s, bytes/s) per (class, bucket) and the launch overhead(s) to ``data``.
+
+    The roofline's max() makes the problem non-convex: the fit runs from each of ``starts`` (launch seconds,
+    compute and memory efficiency everywhere) and keeps the best."""
     pr = _Problem(data, buckets, per_class_launch)
     if pr.n == 0:
         raise ValueError("no measurements to fit")
     D = _smoothness(pr.nc, pr.nb, pr.nparams) * np.sqrt(smooth)
     log_y = np.log(pr.y)
     best = None
-    for launch0, ceff0, meff0 in ((2e-6, 0.3, 0.5), (1e-5, 0.3, 1.0), (3e-5, 0.1, 0.3)):
+    for launch0, ceff0, meff0 in starts:
         theta0 = np.concatenate([np.full(pr.nc * pr.nb, np.log(peak_flops * ceff0)),
                                  np.full(pr.nc * pr.nb, np.log(mem_bandwidth * meff0)),
                                  np.full(pr.nparams - 2 * pr.nc * pr.nb, np.log(launch0))])
@@ -178,7 +182,7 @@ def fit_rates(data: Sequence[tuple[ModelConfig, Measurement]], *, peak_flops: fl
                 cand = np.minimum(theta + np.clip(step, -3.0, 3.0), cap)
                 new = loss(cand)
                 if new < cur:
-                    improved = abs(cur - new) > 1e-10 * max(1.0, cur)
+                    improved = cur - new > 1e-7 * cur
                     theta, cur, lam = cand, new, max(lam / 3, 1e-9)
                     break
                 lam *= 4

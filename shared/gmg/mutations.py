@@ -66,7 +66,8 @@ class MutationBatch:
         self.muts: list[list[Any]] = []
         self.blobs: list[bytes] = []
 
-    def _k(self, key: str) -> int:
+    def key_index(self, key: str) -> int:
+        """1-based index of ``key`` in the batch's KEYS (added on first use)."""
         i = self._index.get(key)
         if i is None:
             self.keys.append(key)
@@ -76,7 +77,7 @@ class MutationBatch:
     def add(self, cmd: str, key: str, *args: Any) -> "MutationBatch":
         if cmd not in COMMANDS:
             raise ValueError(f"unknown mutation command {cmd!r}")
-        self.muts.append([cmd, self._k(key), *(_str(a) for a in args)])
+        self.muts.append([cmd, self.key_index(key), *(_str(a) for a in args)])
         return self
 
     def hset(self, key: str, mapping: dict[str, Any]) -> "MutationBatch":
@@ -89,7 +90,7 @@ class MutationBatch:
 
     def setblob(self, key: str, data: bytes) -> "MutationBatch":
         self.blobs.append(bytes(data))
-        self.muts.append(["setblob", self._k(key), str(3 + len(self.blobs))])  # ARGV index of the blob
+        self.muts.append(["setblob", self.key_index(key), str(3 + len(self.blobs))])  # ARGV index of the blob
         return self
 
     def __len__(self) -> int:
@@ -187,4 +188,4 @@ def apply_mutation(mirror: Mirror, cmd: str, key: str, args: list[Any]) -> None:
 
 
 def _score(s: str) -> float:
-    return {"-inf": float("-inf"), "+inf": float("inf"), "inf": float("inf")}.get(s, None) or float(s)
+    return float(s.lstrip("+"))  # "-inf", "+inf" and plain numbers, as ZREMRANGEBYSCORE takes them

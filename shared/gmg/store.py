@@ -88,12 +88,12 @@ class GMGStore:
         for r in items:
             if r.nbytes < 0:
                 return Refused("invalid", r.device, "negative size")
-            dk, rk = b._k(self.keys.device(r.device)), b._k(self.keys.reservations(r.device))
+            dk, rk = b.key_index(self.keys.device(r.device)), b.key_index(self.keys.reservations(r.device))
             if isinstance(r, Reservation):
                 spec_items.append(["new", dk, rk, r.owner, r.kind, r.tenant, str(int(r.nbytes)), r.device])
             else:
                 spec_items.append(["resize", dk, rk, r.owner, "", "", str(int(r.nbytes)), r.device])
-        spec_guards = [[b._k(k), f, *acc] for k, f, acc in guards]
+        spec_guards = [[b.key_index(k), f, *acc] for k, f, acc in guards]
         spec = msgspec.msgpack.encode([spec_items, spec_guards, b.muts, f"{time.time():.6f}"])
         ok, reason, a, c = await self._commit(keys=b.keys, args=[op, spec, CHANGES_MAXLEN, *b.blobs])
         if int(ok) == 1:
@@ -104,8 +104,8 @@ class GMGStore:
                            batch: MutationBatch | None = None) -> tuple[int, int] | Refused:
         """Release ``(device, owner)`` pairs (missing ones are skipped) plus ``batch``; (freed bytes, epoch)."""
         b = batch or self.batch()
-        spec_items = [[b._k(self.keys.device(d)), b._k(self.keys.reservations(d)), o] for d, o in owners]
-        spec_guards = [[b._k(k), f, *acc] for k, f, acc in guards]
+        spec_items = [[b.key_index(self.keys.device(d)), b.key_index(self.keys.reservations(d)), o] for d, o in owners]
+        spec_guards = [[b.key_index(k), f, *acc] for k, f, acc in guards]
         spec = msgspec.msgpack.encode([spec_items, spec_guards, b.muts])
         ok, freed, epoch, extra = await self._release(keys=b.keys, args=[op, spec, CHANGES_MAXLEN])
         if _s(freed) == "conflict":

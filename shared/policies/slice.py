@@ -10,7 +10,6 @@ its SLA, and revokes leases on a device whose own tenant becomes at risk.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,8 +217,6 @@ class SlicePolicy(Policy):
         used_guests = {lease.guest_device for lease in mine}
         cands = self._guests(d, snapshot, used_guests)
         hcost = whatif.cost(t, d.kind)
-        tm = max(1, min(d.queued_prefill_tokens + d.running, whatif.params.max_batched_tokens)
-                 // whatif.params.micro_batches)
         grants = []
         for g in (cands if free_layers else []):
             share = self._share_for(g, snapshot, whatif)
@@ -227,8 +224,7 @@ class SlicePolicy(Policy):
                 continue
             gcost = whatif.cost(t, g.kind)
             eff = share if (g.busy or g.outstanding) else 1.0 - g.guest_share
-            a, m, mg = hcost.attn_dense_time(tm), hcost.mlp_time(tm), gcost.mlp_time(tm) / max(eff, 1e-6)
-            n_layers = max(1, min(len(free_layers), round(layers * (a + m) / (m + mg))))
+            n_layers = self._layers(hcost, gcost, d, g, snapshot, eff, len(free_layers), whatif)
             resident = [s for s in free_layers if (tenant, s) in g.resident]
             rest = [s for s in free_layers if (tenant, s) not in g.resident]
             segs = tuple((resident + rest)[:n_layers])
@@ -258,6 +254,23 @@ class SlicePolicy(Policy):
         c = best.candidate
         return GrantLease(c.tenant, c.home_device, c.guest_device, c.segments, c.duration_s, c.share,
                           c.memory_bytes, predicted_gain_s=best.home_iter_s - best.leased_iter_s, mode=c.mode)
+
+    def _layers(self, hcost, gcost, d: DeviceState, g: DeviceState, snapshot: ClusterSnapshot, eff: float,
+                free: int, whatif: Any) -> int:
+        """How many MLP layers to move: the count (of half, three quarters or all free layers) with the shortest
+        predicted iteration for the home's current batch."""
+        from shared.sim.offload import OffloadPart, offloaded_iteration_time
+        from shared.costmodel import load_profile
+        it, b, p, sampled = whatif.device_iteration(hcost, d)
+        link = load_profile(d.kind).link(snapshot.link_kind(d.id, g.id))
+        best, best_t = free, None
+        for n in sorted({max(1, free // 2), max(1, 3 * free // 4), free}):
+            t = offloaded_iteration_time(hcost, [OffloadPart(g.id, n, eff, link, gcost)], [eff], b,
+                                         d.decode_kv_tokens, p, p * (p + 1) // 2, p, sampled,
+                                         whatif.params.micro_batches).total_s
+            if best_t is None or t < best_t:
+                best, best_t = n, t
+        return best
 
     def _share_for(self, g: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> float:
         """Largest share of ``g``'s time whose worst case keeps its own tenant under guest_margin × SLA."""

@@ -142,13 +142,12 @@ class SimDevice:
         self.schedule(self, self.cur_end, self.version)
 
     def _yield(self, eng: Engine, n: int, dur: float, now: float) -> float:
-        """Own step with guests present: yield ``f_dyn`` of the device to them, only as much as the own tenant's
-        SLA slack allows. TPOT: its (longest) iteration, stretched, stays within ``yield_margin`` × its target.
-        TTFT: its oldest waiting prompt, with the prefill still queued stretched, stays within ``yield_margin`` ×
-        its target. Guests get nothing once the own tenant has no slack left."""
+        """Own step with guests present: yield ``f_dyn`` of the device to them. Nothing while the own tenant has
+        prompts waiting or being prefilled (its TTFT comes first); otherwise as much as keeps its (longest)
+        iteration, stretched, within ``yield_margin`` × its TPOT target, capped by the leases' shares."""
         running = [x for x in self.hosted if x.state in (ACTIVE, DRAINING)]
         old = self.f_dyn
-        if not running:
+        if not running or eng.waiting or eng.prefilling:
             f = 0.0
         else:
             if eng.run is not None:
@@ -156,14 +155,7 @@ class SimDevice:
                 t_last = a + c * (k0 + (n - 1) * b)
             else:
                 t_last = dur
-            m = self.yield_margin
-            f = min(sum(x.share for x in running), 0.95, 1.0 - t_last / (m * eng.tpot_s))
-            if eng.waiting or eng.prefilling:
-                steps = -(-eng.queued_prefill // eng.cfg.max_batched_tokens)
-                waited = now - eng.oldest_pending()
-                budget = m * eng.ttft_s - waited
-                f = min(f, 1.0 - steps * dur / budget) if budget > 0 else 0.0
-            f = max(0.0, f)
+            f = max(0.0, min(sum(x.share for x in running), 0.95, 1.0 - t_last / (self.yield_margin * eng.tpot_s)))
         self.f_dyn = f
         if f != old:
             self.sync_lanes(now, force=True)

@@ -2,10 +2,10 @@
 
 The driver splits its batch into ``micro_batches`` equal parts. For every offloaded ``mlp[l]`` the hidden states
 of a micro-batch go to the guest and back (two transfers); while a guest runs ``mlp[l]`` of one micro-batch, the
-home runs ``attn`` of the next. The iteration's time is bounded below by the busiest resource (home, each guest at
-the share of its time it gives us, each link) and by one micro-batch's serial path; we take the larger of those
-plus one pipeline-fill stage. ``explicit_schedule`` lays the same segments out one by one (list scheduling) and
-is used in tests to check this closed form.
+home runs ``attn`` of the next. The closed form adds, layer by layer, the local layers' home time and, for each
+offloaded layer, the longest of: the home's attention over all micro-batches, the guest's MLP over all of them
+(at the share of its time it gives us), and one micro-batch's round trip. ``explicit_schedule`` lays the same
+segments out one by one (list scheduling) and is used in tests to check the closed form.
 """
 from __future__ import annotations
 
@@ -66,16 +66,20 @@ def offloaded_iteration_time(cost: ModelCost, parts: list[OffloadPart], shares: 
     hb = tm * cost.hidden_bytes_per_token
     chain = home_mb
     guest_busy, link_busy, link_bytes = [], [], []
+    # Layer by layer: a local layer costs the home m·(a + mh); an offloaded one costs the longest of the home's
+    # attention for all micro-batches, the guest's MLP for all of them, and one micro-batch's round trip
+    # (attention, transfer, guest MLP, transfer back) — the next layer's attention waits for it.
+    total = m * eh + (layers - s_total) * m * (a + mh)
     for p, f in zip(parts, shares):
-        g = p.guest_cost.mlp_time(tm)
+        g = p.guest_cost.mlp_time(tm) / max(f, 1e-9)
         x_bw = hb / p.link.bandwidth
-        guest_busy.append(m * p.layers * g)
+        x = p.link.latency_s + x_bw
+        guest_busy.append(m * p.layers * p.guest_cost.mlp_time(tm))
         link_busy.append(m * p.layers * 2 * x_bw)
         link_bytes.append(m * p.layers * 2 * hb)
-        chain += p.layers * (g / max(f, 1e-9) + 2 * (p.link.latency_s + x_bw))
-    bound = max([m * home_mb] + [gb / max(f, 1e-9) for gb, f in zip(guest_busy, shares)] + link_busy)
-    total = max(bound, chain + (m - 1) * a)
-    return OffloadTiming(total, m * home_mb, guest_busy, link_busy, link_bytes)
+        total += p.layers * max(m * a, a + g + 2 * x, m * g)
+    total = max([total] + link_busy)
+    return OffloadTiming(total, m * (eh + layers * a + (layers - s_total) * mh), guest_busy, link_busy, link_bytes)
 
 
 def explicit_schedule(cost: ModelCost, parts: list[OffloadPart], n_decode: int, decode_kv: int,

@@ -61,3 +61,35 @@ def bursty_workload(tenants: TenantsConfig, rates_rps: list[float], duration_s: 
             reqs.append(WorkloadRequest(f"{t.name}-{n}", now, t.name, inp, out))
     reqs.sort(key=lambda r: (r.arrival_s, r.request_id))
     return Workload(name=name, requests=tuple(reqs), tenants=tenants, duration_s=duration_s, seed=0)
+
+
+def synthetic_snapshot(cluster: ClusterConfig, tenants: TenantsConfig, rng: random.Random,
+                       load: float = 0.5) -> "ClusterSnapshot":
+    """A snapshot with plausible random device state (queues, batches, memory) for what-if checks/benchmarks:
+    each tenant at home on its configured devices, ``load`` the chance a device has a queue."""
+    from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
+    devices = {}
+    home = {h: t.name for t in tenants.tenants for h in t.home_devices}
+    for d in cluster.devices:
+        headroom = int(d.memory_bytes * cluster.headroom_fraction)
+        st = DeviceState(d.id, d.kind, d.host, d.memory_bytes, headroom, home_tenant=home.get(d.id))
+        if st.home_tenant:
+            t = tenants.get(st.home_tenant)
+            cost = cost_for(t.model.config, d.kind)
+            st.tenants = [t.name]
+            st.running = rng.randint(0, 64)
+            st.decode_kv_tokens = st.running * rng.randint(200, 2500)
+            busy = rng.random() < load
+            st.queued = rng.randint(1, 12) if busy else 0
+            st.queued_prefill_tokens = st.queued * rng.randint(300, 3000)
+            st.oldest_pending_s = 100.0 - rng.uniform(0, 0.2) if st.queued else float("inf")
+            st.busy = busy or st.running > 0
+            st.kv_bytes = (st.decode_kv_tokens + st.queued_prefill_tokens) * cost.kv_bytes_per_token
+            st.used_bytes = min(st.limit_bytes, cost.weight_bytes + st.kv_bytes)
+        devices[d.id] = st
+    ts = {}
+    for t in tenants.tenants:
+        ts[t.name] = TenantState(t.name, t.model.config, t.sla, list(t.home_devices), rate_rps=rng.uniform(0.1, 20),
+                                 mean_input=rng.uniform(500, 2000), mean_output=rng.uniform(20, 250))
+    return ClusterSnapshot(now=100.0, devices=devices, tenants=ts, intra_host_link=cluster.intra_host_link,
+                           inter_host_link=cluster.inter_host_link)

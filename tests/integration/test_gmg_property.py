@@ -180,7 +180,7 @@ class GMGMachine(RuleBasedStateMachine):
 
 @pytest.mark.parametrize("examples", [
     int(os.environ.get("GMG_PROPERTY_EXAMPLES", "250")),
-    pytest.param(3000, marks=pytest.mark.slow),  # thousands of sequences: `pytest -m slow`
+    pytest.param(3000, marks=[pytest.mark.slow, pytest.mark.timeout(1800)]),  # thousands: `pytest -m slow`
 ])
 def test_gmg_memory_safety_property(redis_url, prefix, examples):
     loop = asyncio.new_event_loop()

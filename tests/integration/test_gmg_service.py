@@ -115,3 +115,14 @@ async def test_restart_keeps_state_and_follower_matches(redis_url, redis, prefix
     assert snap.devices["d0"].running == 4 and snap.tenants["a"].home_devices == ("d0",)
     assert snap.holders("a", "mlp[0]") == ["d0"] and "a" in snap.graphs
     await svc2.blocking.aclose()
+
+
+async def test_gmg_reregisters_after_redis_loses_its_state(redis_url, redis, prefix):
+    svc = await _service(redis_url, prefix)
+    keys = [k async for k in redis.scan_iter(match=f"{prefix}{{gmg}}*")]
+    await redis.delete(*keys)  # what a restart without persistence looks like to the service
+    assert await svc.sweep_once() >= 1
+    dev = await svc.store.device("d0")
+    assert dev["limit"] and dev["state"] == "down" and dev["reserved"] == "0"
+    assert await redis.exists(svc.store.keys.model_graph("a"))
+    await svc.blocking.aclose()

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: kept in sets
 class _Conn:
     client: asyncio.StreamWriter
     upstream: asyncio.StreamWriter | None

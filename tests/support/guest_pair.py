@@ -183,7 +183,7 @@ class GuestPair:
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5  # a clean stop takes seconds of interpreter teardown on a loaded VM
+        deadline = time.monotonic() + 2  # a clean stop can take seconds of interpreter teardown on a loaded VM
         for p in self.procs.values():
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))

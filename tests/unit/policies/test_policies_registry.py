@@ -77,7 +77,7 @@ def test_container_routes_to_least_loaded_device_of_its_container(small):
 def test_slice_leases_help_the_bursty_tenant_without_hurting_the_others(small):
     c, t, _ = small
     # long prompts in 10x bursts: the busy tenant's container queues prompts during bursts
-    w = bursty_workload(t, [9.0, 1.0, 0.3, 0.3], 40.0, random.Random(4), burst_factor=10.0, mean_input=2000,
+    w = bursty_workload(t, [15.0, 1.0, 0.3, 0.3], 40.0, random.Random(4), burst_factor=10.0, mean_input=2000,
                         mean_output=40)
     res = {}
     for name in ("container", "slice"):

@@ -1,0 +1,230 @@
+"""``slicesched bench results``: regenerate every table and plot of docs/results.md and the README headline.
+
+Three fidelities, each its own part (``--only``), each written to ``--out`` as raw JSON (``bench compare``'s result
+plus a ``meta`` block: fidelity label, machine, date, exact command, wall time) and PNGs:
+
+* ``sim``: ``bench compare --fidelity sim`` of all six policies on the Azure α ∈ {0.7, 1.3, 2.1} and ServeGen
+  16-tenant workloads on 32 modelled H100s (``sim-<workload>.json/png``);
+* ``emulated``: container vs slice on the emulated 8-device mesh (``emulated.json/png``), the simulator's
+  prediction for the same workload and cluster (``emulated-prediction.json/png``), and a device busy-time
+  timeline under slice (``emulated-timeline.json/png``);
+* ``real``: container vs slice on the real 2-device CPU mesh (``real.json/png``, ``real-timeline.json/png``).
+
+Then docs/results.md and the README block between ``<!-- results:begin -->`` and ``<!-- results:end -->`` are
+rendered from every JSON present in ``--out`` (so one part can be rerun alone). ``--quick`` runs a smoke version of
+each part (short traces, coarse search).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.config import ConfigError, load_cluster
+
+PARTS = ("sim", "emulated", "real")
+SIM_WORKLOADS = ("configs/workloads/azure-16mix-a0.7.yaml", "configs/workloads/azure-16mix-a1.3.yaml",
+                 "configs/workloads/azure-16mix-a2.1.yaml", "configs/workloads/servegen-16mix.yaml")
+SIM_CLUSTER = "configs/cluster-h100x32.yaml"
+SIM_POLICIES = "container,container-realloc,muxserve,token-pool,slice,pooled-bound"
+EMULATED = ("configs/workloads/emulated-6mix.yaml", "configs/cluster-emulated8.yaml")
+REAL = ("configs/workloads/tiny-bursty.yaml", "configs/cluster.yaml")
+MESH_POLICIES = ("container", "slice")
+PNG_MAX_BYTES = 150_000
+
+
+@dataclass(frozen=True)
+class Search:
+    """How one part searches the max sustainable rate scale (see ``bench compare``)."""
+
+    duration_s: float | None
+    start_scale: float
+    tolerance: float
+    max_scale: float
+
+
+FULL = {"sim": Search(None, 4.0, 0.04, 256.0), "mesh": Search(None, 1.0, 0.1, 32.0)}
+QUICK = {"sim": Search(60.0, 4.0, 0.25, 64.0), "mesh": Search(20.0, 1.0, 0.5, 8.0)}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smoke version of each part (minutes, not hours)")
+    p.add_argument("--only", default=",".join(PARTS), help="parts to run: sim,emulated,real")
+    p.add_argument("--out", default="docs/results", help="raw JSON and PNGs go here")
+    p.add_argument("--md", default=None, help="results page (default: <out>.md)")
+    p.add_argument("--readme", default="README.md", help="README to update between the result markers ('' = none)")
+    p.add_argument("--jobs", type=int, default=2, help="simulator points run in parallel")
+    p.add_argument("--sim-duration-s", type=float, default=None, help="replay only the first D s in the sim part")
+    p.add_argument("--mesh-duration-s", type=float, default=None, help="replay only the first D s on the meshes")
+    p.add_argument("--tolerance", type=float, default=None, help="bisection stop (hi/lo < 1 + tolerance)")
+    p.add_argument("--sim-workloads", default=",".join(SIM_WORKLOADS))
+    p.add_argument("--sim-cluster", default=SIM_CLUSTER)
+    p.add_argument("--sim-policies", default=SIM_POLICIES)
+    p.add_argument("--render-only", action="store_true", help="only re-render the pages from the JSON in --out")
+
+
+def results_command(args: argparse.Namespace) -> str:
+    """The ``slicesched bench results`` command line that reproduces this run (non-default options only)."""
+    argv = ["slicesched", "bench", "results"] + (["--quick"] if args.quick else [])
+    for flag, value, default in (("--only", args.only, ",".join(PARTS)), ("--out", args.out, "docs/results"),
+                                 ("--md", args.md, None), ("--readme", args.readme, "README.md"),
+                                 ("--jobs", args.jobs, 2), ("--sim-duration-s", args.sim_duration_s, None),
+                                 ("--mesh-duration-s", args.mesh_duration_s, None),
+                                 ("--tolerance", args.tolerance, None),
+                                 ("--sim-workloads", args.sim_workloads, ",".join(SIM_WORKLOADS)),
+                                 ("--sim-cluster", args.sim_cluster, SIM_CLUSTER),
+                                 ("--sim-policies", args.sim_policies, SIM_POLICIES)):
+        if value != default:
+            argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return shlex.join(argv)
+
+
+def search_for(args: argparse.Namespace, kind: str) -> Search:
+    base = (QUICK if args.quick else FULL)[kind]
+    dur = args.sim_duration_s if kind == "sim" else args.mesh_duration_s
+    return Search(dur if dur is not None else base.duration_s, base.start_scale,
+                  args.tolerance if args.tolerance is not None else base.tolerance, base.max_scale)
+
+
+def _compare_ns(workload: str, cluster: str, fidelity: str, s: Search, jobs: int) -> argparse.Namespace:
+    return argparse.Namespace(workload=str(Path(workload).resolve()), cluster=str(Path(cluster).resolve()),
+                              fidelity=fidelity, seed=None, duration_s=s.duration_s, start_scale=s.start_scale,
+                              tolerance=s.tolerance, max_scale=s.max_scale, jobs=jobs, json_out=None)
+
+
+def _full_duration(workload: str) -> float | None:
+    d = (yaml.safe_load(Path(workload).read_text()) or {}).get("duration_s")
+    return float(d) if isinstance(d, (int, float)) else None
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _check_png(path: Path | None) -> None:
+    if path is not None and path.is_file() and path.stat().st_size > PNG_MAX_BYTES:
+        print(f"slicesched bench results: warning: {path} is {path.stat().st_size // 1000} KB (> 150 KB)",
+              file=sys.stderr)
+
+
+def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str, s: Search, jobs: int,
+                 json_out: Path, cmd: str, quick: bool, hook: Any = None) -> dict[str, Any]:
+    """One ``bench compare`` run, with its ``meta`` block, saved to ``json_out``."""
+    from services.cli.bench_compare import compare
+    from services.results.meta import compare_command, describe_setup, run_meta
+    ns = _compare_ns(workload, cluster, fidelity, s, jobs)
+    if hook is not None:
+        ns.mesh_hook = hook
+    opts = {"duration_s": s.duration_s, "start_scale": s.start_scale, "tolerance": s.tolerance,
+            "max_scale": s.max_scale, "jobs": jobs if fidelity == "sim" else None}
+    print(f"bench results: {fidelity} {Path(workload).stem}: {', '.join(policies)}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    res = compare(ns, policies)
+    res["workload"], res["cluster"] = _display(workload), _display(cluster)
+    res["meta"] = run_meta(fidelity, command=compare_command(workload, cluster, policies, fidelity, json_out, opts),
+                           results_command=cmd, wall_s=time.perf_counter() - t0, quick=quick,
+                           duration_s=s.duration_s, full_duration_s=_full_duration(workload),
+                           setup=describe_setup(workload, cluster, fidelity))
+    _save(json_out, res)
+    return res
+
+
+def _display(path: str) -> str:
+    from services.results.meta import display_path
+    return display_path(path)
+
+
+def run_sim(args: argparse.Namespace, out: Path, cmd: str) -> None:
+    s = search_for(args, "sim")
+    for wl in _split(args.sim_workloads):
+        compare_part(wl, args.sim_cluster, _split(args.sim_policies), "sim", s, args.jobs,
+                     out / f"sim-{Path(wl).stem}.json", cmd, args.quick)
+
+
+def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> None:
+    """container vs slice on one mesh (recording slice's busy-time timeline); for the emulated mesh also the
+    simulator's prediction for the same workload and cluster, with the same search settings."""
+    from services.results.timeline import TimelineRecorder
+    wl, cluster = EMULATED if fidelity == "emulated" else REAL
+    s = search_for(args, "mesh")
+    rec = TimelineRecorder(("slice",))
+    res = compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"{fidelity}.json", cmd, args.quick,
+                       hook=rec)
+    tl = rec.pick("slice", res["policies"]["slice"]["max_scale_9"] or None)
+    if tl is not None:
+        _save(out / f"{fidelity}-timeline.json", dict(tl, meta=dict(res["meta"], wall_s=None)))
+    else:
+        print(f"slicesched bench results: no {fidelity} timeline was recorded", file=sys.stderr)
+    if fidelity == "emulated":
+        compare_part(wl, cluster, list(MESH_POLICIES), "sim", s, args.jobs, out / "emulated-prediction.json", cmd,
+                     args.quick)
+
+
+def _split(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def render(out: Path, md: Path, readme: Path | None, cmd: str | None) -> None:
+    """Re-render docs/results.md and the README block from every JSON in ``out``."""
+    from services.results.render import (draw_figures, headline_markdown, load_results, results_markdown,
+                                         update_readme, write_results_md)
+    results = load_results(out)
+    for png in draw_figures(results, out):
+        _check_png(png)
+    write_results_md(md, results_markdown(results, out, md, cmd))
+    if readme is not None:
+        import os
+        update_readme(readme, headline_markdown(results, os.path.relpath(md, readme.parent)))
+
+
+def _validate(args: argparse.Namespace, parts: list[str]) -> None:
+    from shared.policies import POLICIES
+    todo = []
+    if "sim" in parts:
+        bad = [p for p in _split(args.sim_policies) if p not in POLICIES]
+        if bad or not _split(args.sim_policies):
+            raise ConfigError("--sim-policies", ",".join(bad) or "(none)", f"unknown policy; valid: "
+                                                                            f"{', '.join(POLICIES.names())}")
+        todo += [(w, args.sim_cluster) for w in _split(args.sim_workloads)]
+    todo += [EMULATED] * ("emulated" in parts) + [REAL] * ("real" in parts)
+    for wl, cluster in todo:
+        load_cluster(cluster)
+        if not Path(wl).is_file():
+            raise ConfigError(wl, "(file)", "workload file not found")
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = _split(args.only)
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        print(f"slicesched bench results: unknown part {', '.join(bad) or '(none)'}; valid: {', '.join(PARTS)}",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    md = Path(args.md) if args.md else out.with_suffix(".md")
+    readme = Path(args.readme) if args.readme else None
+    cmd = results_command(args)
+    failed = []
+    if not args.render_only:
+        _validate(args, parts)
+        for part in parts:
+            t0 = time.perf_counter()
+            try:
+                run_sim(args, out, cmd) if part == "sim" else run_mesh(args, out, cmd, part)
+            except ConfigError:
+                raise
+            except Exception as e:  # one broken part must not lose the others' results
+                failed.append(part)
+                print(f"slicesched bench results: part {part} failed: {e!r}", file=sys.stderr)
+            print(f"bench results: part {part} took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    render(out, md, readme, None if args.render_only else cmd)
+    print(f"wrote {md}" + (f" and the results block of {readme}" if readme else ""))
+    return 1 if failed else 0

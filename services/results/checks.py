@@ -1,0 +1,87 @@
+"""The evaluation's acceptance targets, read off ``bench compare`` results (never assumed)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from services.cli.bench_compare import captured, ratios
+
+BASELINES = ("container-realloc", "muxserve", "token-pool")
+SIM_RATIO_MIN, SIM_RATIO_ONE, SIM_CAPTURED_MIN = 1.10, 2.3, 0.60
+EMULATED_MAX_DIFF = 0.15
+REAL_RATIO_MIN = 1.3
+
+
+def _get(d: Mapping[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, Mapping) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def sim_checks(res: Mapping[str, Any]) -> dict[str, Any]:
+    """slice's ratio to container and share of pooled-bound's gain at both bounds, whether slice is ahead of
+    each other baseline at ≤ 9%, and the best policy other than slice and the bound."""
+    pol = res["policies"]
+    rat = res.get("ratio_to_container") or ratios(pol)
+    cap = res.get("pooled_gain_captured") or captured(pol)
+    s9 = _get(pol, "slice", "tokens_per_s_9")
+    present = [b for b in BASELINES if b in pol]
+    ahead = None if s9 is None or not present else all(s9 > pol[b]["tokens_per_s_9"] for b in present)
+    others = [(n, _get(rat, n, "9")) for n in pol if n not in ("slice", "pooled-bound")]
+    others = [(n, r) for n, r in others if r is not None]
+    return {"ratio_9": _get(rat, "slice", "9"), "ratio_1": _get(rat, "slice", "1"),
+            "captured_9": _get(cap, "slice", "9"), "captured_1": _get(cap, "slice", "1"),
+            "ahead_9": ahead, "ahead_of": {b: (s9 > pol[b]["tokens_per_s_9"]) if s9 is not None else None
+                                           for b in present},
+            "best_baseline": max(others, key=lambda x: x[1]) if others else None}
+
+
+def _all(values: list[Any], pred) -> bool | None:
+    if not values or any(v is None for v in values):
+        return None
+    return all(pred(v) for v in values)
+
+
+def sim_summary_checks(sims: Mapping[str, Mapping[str, Any]]) -> dict[str, bool | None]:
+    """The offline targets over every workload (None when a number is missing)."""
+    cs = {w: sim_checks(r) for w, r in sims.items()}
+    azure = [c["ratio_9"] for w, c in cs.items() if w.startswith("azure")]
+    return {
+        f"slice ≥ {SIM_RATIO_MIN:.2f}× container on every workload":
+            _all([c["ratio_9"] for c in cs.values()], lambda v: v >= SIM_RATIO_MIN),
+        f"≥ {SIM_RATIO_ONE}× on at least one Azure α":
+            None if not azure or all(v is None for v in azure) else any(v is not None and v >= SIM_RATIO_ONE
+                                                                        for v in azure),
+        f"slice captures ≥ {SIM_CAPTURED_MIN:.0%} of pooled-bound's gain on every workload":
+            _all([c["captured_9"] for c in cs.values()], lambda v: v >= SIM_CAPTURED_MIN),
+        "slice ahead of container-realloc, muxserve and token-pool on every workload":
+            _all([c["ahead_9"] for c in cs.values()], bool),
+    }
+
+
+def _order(pol: Mapping[str, Any], names: list[str], key: str) -> list[str]:
+    return sorted(names, key=lambda n: -pol[n][f"tokens_per_s_{key}"])
+
+
+def emulated_checks(em: Mapping[str, Any], pred: Mapping[str, Any]) -> dict[str, Any]:
+    """Measured (emulated mesh) vs predicted (simulator) slice ÷ container and policy ordering, at both bounds."""
+    out: dict[str, Any] = {}
+    common = [n for n in em["policies"] if n in pred["policies"] and n != "pooled-bound"]
+    for key in ("9", "1"):
+        m = _get(em.get("ratio_to_container") or ratios(em["policies"]), "slice", key)
+        p = _get(pred.get("ratio_to_container") or ratios(pred["policies"]), "slice", key)
+        out[f"measured_{key}"], out[f"predicted_{key}"] = m, p
+        out[f"difference_{key}"] = (m - p) / p if m is not None and p else None
+        out[f"same_order_{key}"] = (_order(em["policies"], common, key) == _order(pred["policies"], common, key)
+                                    if len(common) >= 2 else None)
+    d = out["difference_9"]
+    out["within_15"] = None if d is None else abs(d) <= EMULATED_MAX_DIFF
+    return out
+
+
+def real_checks(real: Mapping[str, Any]) -> dict[str, Any]:
+    """slice ÷ container in measured tokens/s on the real CPU mesh and the ≥ 1.3× target."""
+    r = _get(real.get("ratio_to_container") or ratios(real["policies"]), "slice", "9")
+    return {"ratio_9": r, "ratio_1": _get(real.get("ratio_to_container") or ratios(real["policies"]), "slice", "1"),
+            "meets": None if r is None else r >= REAL_RATIO_MIN}

@@ -1,0 +1,76 @@
+"""PNG figures of the results: one fidelity per figure, its label in the title."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from loadgen.plots import plot_rate_sweep  # noqa: E402
+
+OWN_COLOR = "#4c72b0"
+LEASE_ALPHA = 0.35
+
+
+def sweep_points(result: Mapping[str, Any]) -> dict[str, list[tuple[float, float, float]]]:
+    """``bench compare``'s ``runs`` as (rate_scale, tokens_per_s, violation_rate) per policy, in policy order."""
+    out: dict[str, list[tuple[float, float, float]]] = {p: [] for p in result.get("policies", {})}
+    for r in result.get("runs", []):
+        out.setdefault(r["policy"], []).append((r["scale"], r["tokens_per_s"], r["violation_rate"]))
+    return {p: sorted(v) for p, v in out.items() if v}
+
+
+def plot_sweep(result: Mapping[str, Any], path: str | Path, title: str) -> Path | None:
+    """Throughput and violations vs rate scale per policy (None when the result has no runs)."""
+    pts = sweep_points(result)
+    if not pts:
+        return None
+    return plot_rate_sweep(pts, path, title=title)
+
+
+def plot_timeline(tl: Mapping[str, Any], path: str | Path, title: str) -> Path:
+    """One row per device: its own tenant's iterations, guest work (lane iterations; per-window guest segment
+    totals drawn at the window's start) in the guest tenant's colour, and lease windows as a strip below."""
+    devices = list(tl["devices"])
+    if not devices:
+        raise ValueError("timeline has no devices")
+    row = {d: i for i, d in enumerate(devices)}
+    guests = sorted({x[3] for x in tl["guest"]} | {x[3] for x in tl["guest_segments"]} | {x[2] for x in tl["leases"]})
+    cmap = plt.get_cmap("tab10")
+    colors = {tn: cmap((i + 1) % 10) for i, tn in enumerate(guests)}
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(devices) + 1.8))
+    for dev in devices:
+        y = row[dev]
+        own = [(a, b - a) for d, a, b, _ in tl["own"] if d == dev]
+        if own:
+            ax.broken_barh(own, (y - 0.38, 0.56), facecolors=OWN_COLOR, linewidth=0)
+        for tn in guests:
+            spans = [(a, b - a) for d, a, b, t in tl["guest"] if d == dev and t == tn]
+            spans += [(a, min(ms / 1000.0, b - a)) for d, a, b, t, ms in tl["guest_segments"] if d == dev and t == tn]
+            if spans:
+                ax.broken_barh(spans, (y - 0.38, 0.56), facecolors=colors[tn], linewidth=0)
+            lz = [(a, b - a) for g, _, t, a, b, *_ in tl["leases"] if g == dev and t == tn]
+            if lz:
+                ax.broken_barh(lz, (y + 0.22, 0.16), facecolors=colors[tn], alpha=LEASE_ALPHA, linewidth=0)
+    ax.set_yticks(range(len(devices)), [f"{d} ({tl['devices'][d]})" for d in devices])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the first request (s)")
+    ax.set_title(title, fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=OWN_COLOR)]
+    labels = ["own tenant's work"]
+    for tn in guests:
+        handles += [plt.Rectangle((0, 0), 1, 1, color=colors[tn]),
+                    plt.Rectangle((0, 0), 1, 1, color=colors[tn], alpha=LEASE_ALPHA)]
+        labels += [f"guest work: {tn}", f"lease window: {tn}"]
+    ax.legend(handles, labels, fontsize=7, ncol=min(4, len(labels)), loc="upper center",
+              bbox_to_anchor=(0.5, -0.5 if len(devices) < 4 else -0.18), frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

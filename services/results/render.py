@@ -1,0 +1,323 @@
+"""docs/results.md and the README headline from the raw result files (docs/results/*.json).
+
+Each fidelity has its own tables and figures; every table is preceded by its fidelity label, machine, date and the
+exact command. The acceptance targets of the evaluation are checked here from the numbers, never asserted.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from services.results.checks import emulated_checks, real_checks, sim_checks, sim_summary_checks
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+SIM_ORDER = ("azure-16mix-a0.7", "azure-16mix-a1.3", "azure-16mix-a2.1", "servegen-16mix")
+
+
+def fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
+    """A number for a table, ``–`` when missing or not finite."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:{spec}}{suffix}"
+
+
+def pct(x: Any) -> str:
+    return fmt(None if x is None else 100 * x, ".1f", "%")
+
+
+def yesno(v: bool | None) -> str:
+    return "–" if v is None else ("yes" if v else "**no**")
+
+
+def load_results(out_dir: Path) -> dict[str, Any]:
+    """Every raw result in ``out_dir``: ``sim`` (workload stem → result), ``emulated``, ``prediction``, ``real``,
+    and the timelines."""
+    def read(name: str) -> dict[str, Any] | None:
+        p = out_dir / name
+        return json.loads(p.read_text()) if p.is_file() else None
+
+    sims = {p.stem[len("sim-"):]: json.loads(p.read_text()) for p in sorted(out_dir.glob("sim-*.json"))}
+    order = [w for w in SIM_ORDER if w in sims] + sorted(w for w in sims if w not in SIM_ORDER)
+    return {"sim": {w: sims[w] for w in order}, "emulated": read("emulated.json"),
+            "prediction": read("emulated-prediction.json"), "emulated_timeline": read("emulated-timeline.json"),
+            "real": read("real.json"), "real_timeline": read("real-timeline.json")}
+
+
+def _rel(png: Path, md: Path) -> str:
+    return os.path.relpath(png, md.parent)
+
+
+def provenance(meta: Mapping[str, Any]) -> list[str]:
+    """The lines every table carries: fidelity, machine, date, command, trace window, wall time."""
+    dur = meta.get("duration_s")
+    full = meta.get("full_duration_s")
+    if dur is None:
+        window = f"the whole workload ({fmt(full, 'g')} s)" if full else "the whole workload"
+    else:
+        window = f"the first {fmt(dur, 'g')} s of the workload" + (f" (of {fmt(full, 'g')} s)" if full else "")
+    tags = []
+    if meta.get("quick"):
+        tags.append("**quick smoke settings** (short runs, coarse search; not the acceptance measurement)")
+    if meta.get("shortened"):
+        tags.append("**shortened trace**")
+    setup = ", ".join(x for x in (meta.get("devices"), f"{meta['tenants']} tenants" if meta.get("tenants") else None)
+                      if x)
+    lines = [f"- fidelity: **{meta['fidelity_label']}**" + (f"; {'; '.join(tags)}" if tags else ""),
+             f"- setup: {setup or '–'}; workload `{meta.get('workload', '?')}`, cluster `{meta.get('cluster', '?')}`",
+             f"- machine: {meta['machine']}; date: {meta['date']}; wall time: {fmt(meta.get('wall_s'), '.0f')} s",
+             f"- trace: {window}",
+             f"- command: `{meta['command']}`"]
+    return lines
+
+
+def _leases(v: Any) -> str:
+    if isinstance(v, Mapping):
+        return fmt(v.get("granted"), ".0f")
+    return fmt(v, ".0f") if isinstance(v, (int, float)) else "–"
+
+
+def policy_table(res: Mapping[str, Any]) -> list[str]:
+    """Per policy: max scale and tokens/s at ≤ 9% and ≤ 1% violations, × container, share of pooled-bound's gain."""
+    rat, cap = res.get("ratio_to_container", {}), res.get("pooled_gain_captured", {})
+    lines = ["| policy | max scale ≤9% | tok/s ≤9% | × container | share of pooled-bound gain | violations at that "
+             "point | leases granted | max scale ≤1% | tok/s ≤1% | × container | share of gain |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in res["policies"].items():
+        lines.append(f"| {name} | {fmt(r['max_scale_9'], '.3g')} | {fmt(r['tokens_per_s_9'], '.1f')} | "
+                     f"{fmt(rat.get(name, {}).get('9'))} | {pct(cap.get(name, {}).get('9'))} | "
+                     f"{pct(r.get('violation_rate'))} | {_leases(r.get('leases'))} | {fmt(r['max_scale_1'], '.3g')} | "
+                     f"{fmt(r['tokens_per_s_1'], '.1f')} | {fmt(rat.get(name, {}).get('1'))} | "
+                     f"{pct(cap.get(name, {}).get('1'))} |")
+    return lines
+
+
+def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
+    lines = ["## Simulated", "",
+             "Offline simulator (device profiles from the datasheet, uncalibrated, unless the cluster's profile says "
+             "otherwise); every policy on the same workload, cluster "
+             "and seed in one run. Max sustainable throughput = output tokens/s at the largest arrival-rate scale "
+             "whose SLA violations stay ≤ 9% (and ≤ 1%).", ""]
+    if not sims:
+        return lines + ["_Not run yet._", ""]
+    summ = sim_summary_checks(sims)
+    lines += ["### Summary (simulated)", "",
+              "| workload | slice × container ≤9% | ≤1% | slice's share of pooled-bound gain ≤9% | ≤1% | "
+              "ahead of container-realloc, muxserve, token-pool ≤9% |", "|---|---:|---:|---:|---:|---|"]
+    for w, res in sims.items():
+        c = sim_checks(res)
+        lines.append(f"| {w} | {fmt(c['ratio_9'])} | {fmt(c['ratio_1'])} | {pct(c['captured_9'])} | "
+                     f"{pct(c['captured_1'])} | {yesno(c['ahead_9'])} |")
+    lines += ["", "Targets (≤ 9%): " + "; ".join(f"{k}: {yesno(v)}" for k, v in summ.items()), ""]
+    for w, res in sims.items():
+        lines += [f"### {w} (simulated)", ""] + provenance(res["meta"]) + [""] + policy_table(res) + [""]
+        png = out_dir / f"sim-{w}.png"
+        if png.is_file():
+            lines += [f"![{w}: throughput and violations vs rate scale, simulated]({_rel(png, md)})", ""]
+    return lines
+
+
+def _timeline_lines(tl: Mapping[str, Any] | None, png: Path, md: Path, label: str) -> list[str]:
+    if not tl:
+        return [f"_No {label} timeline recorded._", ""]
+    lines = [f"Device busy time under `{tl['policy']}` at rate scale {fmt(tl['scale'], '.3g')} ({label}; "
+             f"{fmt(tl.get('tokens_per_s'), '.1f')} tok/s, violations {pct(tl.get('violation_rate'))}). Own work and "
+             "guest-lane iterations are the workers' measured busy intervals; guest segments are measured per 0.5 s "
+             "report window and drawn at the window's start; lease windows come from the lease messages.", "",
+             "| device (home tenant) | own work (s) | guest work (s) | lease windows hosted (s) | leases hosted |",
+             "|---|---:|---:|---:|---:|"]
+    for d, b in tl.get("busy", {}).items():
+        lines.append(f"| {d} ({tl['devices'].get(d, '?')}) | {fmt(b['own_s'], '.2f')} | {fmt(b['guest_s'], '.2f')} | "
+                     f"{fmt(b['lease_window_s'], '.1f')} | {b['leases']} |")
+    lines.append("")
+    if png.is_file():
+        lines += [f"![device busy-time timeline, {label}]({_rel(png, md)})", ""]
+    return lines
+
+
+def emulated_section(em: Mapping[str, Any] | None, pred: Mapping[str, Any] | None, tl: Mapping[str, Any] | None,
+                     out_dir: Path, md: Path) -> list[str]:
+    lines = ["## Emulated mesh", "",
+             "Every real service (gateway, Redis, scheduler, GMG, simulator service, workers) with emulated devices: "
+             "no tensor math, iteration time from the device profile, memory accounted. The simulator's prediction "
+             "for the same workload and cluster is shown beside the measurement, as a separate run and figure.", ""]
+    if not em:
+        return lines + ["_Not run yet._", ""]
+    lines += ["### Measured (emulated mesh)", ""] + provenance(em["meta"]) + [""] + policy_table(em) + [""]
+    if pred:
+        lines += ["### Predicted (simulated, same workload and cluster)", ""] + provenance(pred["meta"]) + [""]
+        lines += policy_table(pred) + [""]
+        c = emulated_checks(em, pred)
+        lines += ["### Measured vs predicted", "",
+                  "| bound | slice ÷ container, emulated mesh (measured) | slice ÷ container, simulated (predicted) "
+                  "| difference (measured − predicted) / predicted | same ordering |", "|---|---:|---:|---:|---|"]
+        for key in ("9", "1"):
+            lines.append(f"| ≤{key}% | {fmt(c[f'measured_{key}'])} | {fmt(c[f'predicted_{key}'])} | "
+                         f"{pct(c[f'difference_{key}'])} | {yesno(c[f'same_order_{key}'])} |")
+        lines += ["", f"Targets (≤ 9%): within 15% of the prediction: {yesno(c['within_15'])}; same ordering: "
+                      f"{yesno(c['same_order_9'])}.", ""]
+    for name, res, label in (("emulated", em, "emulated mesh"), ("emulated-prediction", pred, "simulated")):
+        png = out_dir / f"{name}.png"
+        if res and png.is_file():
+            lines += [f"![throughput and violations vs rate scale, {label}]({_rel(png, md)})", ""]
+    return lines + ["### Device busy time (emulated mesh)", ""] + _timeline_lines(
+        tl, out_dir / "emulated-timeline.png", md, "emulated mesh")
+
+
+def real_section(real: Mapping[str, Any] | None, tl: Mapping[str, Any] | None, out_dir: Path,
+                 md: Path) -> list[str]:
+    lines = ["## Real CPU mesh", "",
+             "The mesh computing for real with torch on this machine's CPU threads, under skewed, bursty load.", ""]
+    if not real:
+        return lines + ["_Not run yet._", ""]
+    c = real_checks(real)
+    lines += provenance(real["meta"]) + [""] + policy_table(real) + [""]
+    lines += [f"Target: slice ≥ 1.3× container in measured tokens/s at ≤ 9% violations: "
+              f"{fmt(c['ratio_9'])}× — {yesno(c['meets'])}.", ""]
+    png = out_dir / "real.png"
+    if png.is_file():
+        lines += [f"![throughput and violations vs rate scale, real CPU mesh]({_rel(png, md)})", ""]
+    return lines + ["### Device busy time (real CPU mesh)", ""] + _timeline_lines(
+        tl, out_dir / "real-timeline.png", md, "real CPU mesh")
+
+
+def draw_figures(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    """Every PNG from the raw results: a rate sweep per run, a busy-time timeline per recorded mesh run; one
+    fidelity per figure, named in its title."""
+    from services.results.plots import plot_sweep, plot_timeline
+
+    def stem(r: Mapping[str, Any]) -> str:
+        return Path(str(r.get("meta", {}).get("workload") or r.get("workload") or "workload")).stem
+
+    todo = [(f"sim-{w}", r, f"{w} — simulated") for w, r in results["sim"].items()]
+    for key, name, label in (("emulated", "emulated", "emulated mesh"),
+                             ("prediction", "emulated-prediction", "simulated (prediction for the emulated mesh)"),
+                             ("real", "real", "real CPU mesh")):
+        if results[key]:
+            todo.append((name, results[key], f"{stem(results[key])} — {label}"))
+    paths = []
+    for name, res, title in todo:
+        p = plot_sweep(res, out_dir / f"{name}.png", title)
+        if p is not None:
+            paths.append(p)
+    for key, name, label in (("emulated_timeline", "emulated-timeline", "emulated mesh"),
+                             ("real_timeline", "real-timeline", "real CPU mesh")):
+        tl = results[key]
+        if tl and tl.get("devices"):
+            paths.append(plot_timeline(tl, out_dir / f"{name}.png", f"{stem(tl)} under {tl.get('policy', '?')} at "
+                                       f"rate scale {fmt(tl.get('scale'), '.3g')} — {label}: device busy time"))
+    return paths
+
+
+def _all_meta(results: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    parts = list(results["sim"].values()) + [results[k] for k in ("emulated", "prediction", "real")]
+    return [r["meta"] for r in parts if r and "meta" in r]
+
+
+def results_markdown(results: Mapping[str, Any], out_dir: Path, md: Path, results_command: str | None = None) -> str:
+    """The generated part of docs/results.md (the regenerate line lists the commands that produced the files,
+    or ``results_command`` when none is recorded)."""
+    walls = [(k, r["meta"]) for k, r in [*(("sim " + w, r) for w, r in results["sim"].items()),
+                                         ("emulated mesh", results["emulated"]),
+                                         ("simulated prediction for the emulated mesh", results["prediction"]),
+                                         ("real CPU mesh", results["real"])] if r]
+    cmds = list(dict.fromkeys(m["results_command"] for m in _all_meta(results) if m.get("results_command")))
+    cmds = cmds or ([results_command] if results_command else [])
+    lines = ["Produced by: " + ", ".join(f"`{c}`" for c in cmds), "", "Measured wall time of each part in the run "
+             "that produced these numbers:", ""]
+    lines += [f"- {k}: {fmt(m.get('wall_s'), '.0f')} s ({'quick' if m.get('quick') else 'full settings'}"
+              f"{', shortened trace' if m.get('shortened') else ''}; {m['date']})" for k, m in walls] + [""]
+    lines += sim_section(results["sim"], out_dir, md)
+    lines += emulated_section(results["emulated"], results["prediction"], results["emulated_timeline"], out_dir, md)
+    lines += real_section(results["real"], results["real_timeline"], out_dir, md)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _setup(m: Mapping[str, Any], *extra: str) -> str:
+    """``(devices, N tenants, …; machine; date[; quick settings][; shortened trace])``."""
+    what = ", ".join(x for x in (m.get("devices"), f"{m['tenants']} tenants" if m.get("tenants") else None, *extra)
+                     if x)
+    tags = [x for x in (what, m["machine"], m["date"], "quick settings" if m.get("quick") else "",
+                        "shortened trace" if m.get("shortened") else "") if x]
+    return "(" + "; ".join(tags) + ")"
+
+
+def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
+    """The README's headline block: slice against container at each fidelity, one table per fidelity."""
+    lines = [f"Regenerated by `slicesched bench results`; commands, plots and every policy: [{md_link}]({md_link}).", ""]
+    sims = results["sim"]
+    if sims:
+        m = next(iter(sims.values()))["meta"]
+        lines += [f"**Simulated** {_setup(m)}: token throughput at ≤ 9% / ≤ 1% SLA violations", "",
+                  "| workload | slice × container ≤9% | ≤1% | share of pooled-bound gain ≤9% | best other baseline ≤9% |",
+                  "|---|---:|---:|---:|---|"]
+        for w, res in sims.items():
+            c = sim_checks(res)
+            best = c["best_baseline"]
+            lines.append(f"| {w} | {fmt(c['ratio_9'])} | {fmt(c['ratio_1'])} | {pct(c['captured_9'])} | "
+                         f"{best[0] + ' ' + fmt(best[1]) + '×' if best else '–'} |")
+        lines.append("")
+    em, pred = results["emulated"], results["prediction"]
+    if em:
+        c = emulated_checks(em, pred) if pred else None
+        m = em["meta"]
+        lines += [f"**Emulated mesh** {_setup(m)}", "",
+                  "| slice × container ≤9%, measured | simulator's prediction | difference | same ordering |",
+                  "|---:|---:|---:|---|",
+                  f"| {fmt(sim_checks(em)['ratio_9'])} | {fmt(c['predicted_9']) if c else '–'} | "
+                  f"{pct(c['difference_9']) if c else '–'} | {yesno(c['same_order_9']) if c else '–'} |", ""]
+    real = results["real"]
+    if real:
+        m = real["meta"]
+        p = real["policies"]
+        lines += [f"**Real CPU mesh** {_setup(m, 'bursty load')}", "",
+                  "| container tok/s ≤9% | slice tok/s ≤9% | slice × container |", "|---:|---:|---:|",
+                  f"| {fmt(p.get('container', {}).get('tokens_per_s_9'), '.1f')} | "
+                  f"{fmt(p.get('slice', {}).get('tokens_per_s_9'), '.1f')} | {fmt(real_checks(real)['ratio_9'])} |", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def replace_block(text: str, block: str, *, heading: str = "## Results") -> str:
+    """``text`` with what lies between the markers replaced by ``block``; the markers are added (under
+    ``heading``, appended when missing) the first time. Nothing outside the markers changes."""
+    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
+        a = text.index(BEGIN) + len(BEGIN)
+        b = text.index(END)
+        return text[:a] + "\n" + block.rstrip("\n") + "\n" + text[b:]
+    new = f"{BEGIN}\n{block.rstrip(chr(10))}\n{END}\n"
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.strip() == heading:
+            j = i + 1
+            while j < len(lines) and not lines[j].strip():
+                j += 1
+            return "".join(lines[:i + 1]) + "\n" + new + ("\n" if j < len(lines) else "") + "".join(lines[j:])
+    sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
+    return text + sep + f"{heading}\n\n" + new
+
+
+DEFAULT_HEADER = """# Results
+
+Throughput of SliceScheduler against the baselines at three fidelities, each reported on its own: the offline
+simulator at cluster scale (simulated), the real mesh with emulated devices (emulated mesh), and the real mesh
+computing on this machine's CPU (real CPU mesh). Definitions (DESIGN §9): token throughput = output tokens of
+completed requests per second; a request violates its SLA when its TTFT or TPOT exceeds its tenant's target or it
+is rejected or fails; max sustainable throughput is read at the largest arrival-rate scale with violations ≤ 9%
+(and ≤ 1%), found by bracketing and bisection (`slicesched bench compare`).
+
+Everything below the marker is generated by `slicesched bench results`; raw JSON and PNGs are in `docs/results/`.
+"""
+
+
+def write_results_md(md: Path, generated: str) -> None:
+    """docs/results.md: the hand-written header (kept when present) and the generated block."""
+    text = md.read_text() if md.is_file() else DEFAULT_HEADER
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(replace_block(text, generated, heading="## Generated results"))
+
+
+def update_readme(readme: Path, block: str) -> None:
+    """Replace only what lies between the README's result markers (adding them under ``## Results`` once)."""
+    readme.write_text(replace_block(readme.read_text() if readme.is_file() else "", block))

@@ -1,0 +1,107 @@
+"""docs/results.md, the README block and the figures, rendered from fixture JSON (no runs)."""
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from services.cli.main import main
+from services.results.checks import emulated_checks, real_checks, sim_checks, sim_summary_checks
+from services.results.render import BEGIN, END, fmt, load_results, replace_block
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture()
+def out(tmp_path) -> Path:
+    d = tmp_path / "docs" / "results"
+    shutil.copytree(FIXTURES, d)
+    return d
+
+
+def test_checks_read_the_numbers(out):
+    r = load_results(out)
+    c = sim_checks(r["sim"]["azure-16mix-a1.3"])
+    assert c["ratio_9"] == pytest.approx(2.0) and c["ratio_1"] == pytest.approx(1.5)
+    assert c["captured_9"] == pytest.approx(0.8) and c["captured_1"] == pytest.approx(0.5)
+    assert c["ahead_9"] is True and c["best_baseline"] == ("token-pool", pytest.approx(1.3))
+    summ = sim_summary_checks(r["sim"])
+    assert list(summ.values()) == [True, False, True, True]  # 2.0× < 2.3× on the only Azure α
+    e = emulated_checks(r["emulated"], r["prediction"])
+    assert e["measured_9"] == pytest.approx(1.4) and e["predicted_9"] == pytest.approx(1.2)
+    assert e["difference_9"] == pytest.approx(1 / 6) and e["within_15"] is False and e["same_order_9"] is True
+    assert real_checks(r["real"]) == {"ratio_9": pytest.approx(1.2), "ratio_1": pytest.approx(1.05),
+                                      "meets": False}
+
+
+def test_checks_notice_a_baseline_ahead_and_missing_numbers(out):
+    r = load_results(out)["sim"]["azure-16mix-a1.3"]
+    r["policies"]["muxserve"]["tokens_per_s_9"] = 9000.0
+    r.pop("ratio_to_container")
+    c = sim_checks(r)
+    assert c["ahead_9"] is False and c["ahead_of"]["muxserve"] is False and c["best_baseline"][0] == "muxserve"
+    r["policies"]["container"]["tokens_per_s_9"] = 0.0  # no container throughput: no ratio, target unknown
+    assert sim_checks(r)["ratio_9"] is None
+    assert next(iter(sim_summary_checks({"w": r}).values())) is None
+
+
+def test_render_only_writes_pages_and_figures(out, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Project\n\nIntro.\n\n## Results\n\nKept text below.\n")
+    md = tmp_path / "docs" / "results.md"
+    rc = main(["bench", "results", "--render-only", "--out", str(out), "--readme", str(readme)])
+    assert rc == 0
+    text = md.read_text()
+    assert text.startswith("# Results") and BEGIN in text and END in text
+    for needle in ("**simulated**", "**emulated mesh**", "**real CPU mesh**", "2-core CPU VM (AMD EPYC), no GPU",
+                   "2026-01-02", "slicesched bench compare --workload configs/workloads/azure-16mix-a1.3.yaml",
+                   "| slice | 8 | 8000.0 | 2.00 | 80.0% |", "| ≤9% | 1.40 | 1.20 | 16.7% | yes |",
+                   "first 600 s of the workload (of 3600 s)", "**shortened trace**", "**quick smoke settings**",
+                   "](results/sim-azure-16mix-a1.3.png)", "](results/real-timeline.png)", "| cpu1 (tiny-b) | 0.10 | 0.72 |"):
+        assert needle in text, needle
+    assert "1.20× — **no**" in text  # real target missed, said so
+    assert "_No emulated mesh timeline recorded._" in text
+    r = readme.read_text()
+    assert r.startswith("# Project\n\nIntro.\n\n## Results\n\n" + BEGIN) and r.endswith("Kept text below.\n")
+    block = r[r.index(BEGIN):r.index(END)]
+    assert "| azure-16mix-a1.3 | 2.00 | 1.50 | 80.0% | token-pool 1.30× |" in block
+    assert "| 1.40 | 1.20 | 16.7% | yes |" in block and "| 40.0 | 48.0 | 1.20 |" in block
+    assert "[docs/results.md](docs/results.md)" in block
+    for png in ("sim-azure-16mix-a1.3.png", "emulated.png", "emulated-prediction.png", "real.png", "real-timeline.png"):
+        assert 2_000 < (out / png).stat().st_size < 150_000  # every figure is redrawn from the JSON
+    assert not (out / "emulated-timeline.png").exists()
+    # a second render changes nothing outside the markers and is stable
+    main(["bench", "results", "--render-only", "--out", str(out), "--readme", str(readme)])
+    assert readme.read_text() == r
+
+
+def test_figures_are_small_pngs(out, tmp_path):
+    import json
+
+    from services.results.plots import plot_sweep, plot_timeline
+    res = json.loads((out / "sim-azure-16mix-a1.3.json").read_text())
+    p = plot_sweep(res, tmp_path / "s.png", "azure — simulated")
+    t = plot_timeline(json.loads((out / "real-timeline.json").read_text()), tmp_path / "t.png", "tiny — real CPU mesh")
+    for f in (p, t):
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 2_000 < f.stat().st_size < 150_000
+    assert plot_sweep({"policies": {}, "runs": []}, tmp_path / "none.png", "x") is None
+
+
+def test_replace_block_only_touches_the_markers():
+    assert replace_block("a\n", "X") == f"a\n\n## Results\n\n{BEGIN}\nX\n{END}\n"
+    once = replace_block("# T\n\n## Results\n", "X")
+    assert once == f"# T\n\n## Results\n\n{BEGIN}\nX\n{END}\n"
+    text = f"head\n{BEGIN}\nold\nlines\n{END}\ntail {BEGIN[:4]}\n"
+    assert replace_block(text, "new\n") == f"head\n{BEGIN}\nnew\n{END}\ntail {BEGIN[:4]}\n"
+
+
+def test_fmt_never_prints_nan():
+    assert fmt(None) == "–" and fmt(math.nan) == "–" and fmt(math.inf) == "–" and fmt(1.234) == "1.23"
+
+
+def test_bad_part_is_one_line_exit_2(capsys):
+    assert main(["bench", "results", "--only", "sim,gpu", "--render-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gpu" in err[0] and "valid" in err[0]

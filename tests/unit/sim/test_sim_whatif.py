@@ -1,0 +1,83 @@
+"""What-if: fast enough for the scheduler, and its predictions move the right way."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from shared.config import REPO_CONFIGS, load_cluster, load_tenants
+from shared.policies.actions import GrantLease
+from shared.sim.synthetic import synthetic_snapshot
+from shared.sim.whatif import WhatIf
+
+
+@pytest.fixture(scope="module")
+def snap():
+    cluster = load_cluster(REPO_CONFIGS / "cluster-h100x32.yaml")
+    tenants = load_tenants(REPO_CONFIGS / "tenants-16mix.yaml", cluster)
+    s = synthetic_snapshot(cluster, tenants, random.Random(5), load=0.5)
+    hot = s.devices[tenants.get("t00").home_devices[0]]  # the tenant that seeks leases has a prompt backlog
+    hot.queued, hot.queued_prefill_tokens, hot.running, hot.oldest_pending_s = 8, 12000, 32, s.now - 0.05
+    hot.decode_kv_tokens = 32 * 1200
+    return cluster, s
+
+
+def _cands(snap, n=8, share=0.4, mode="segments"):
+    busy = next(d for d in snap.devices.values() if d.queued_prefill_tokens > 0 and d.home_tenant == "t00")
+    guests = [d for d in snap.devices.values() if d.home_tenant != "t00"][:n]
+    segs = ("*",) if mode == "sequences" else tuple(f"mlp[{i}]" for i in range(16))
+    return [GrantLease("t00", busy.id, g.id, segs, 2.0, share, 0, mode=mode) for g in guests]
+
+
+def test_whatif_latency_eight_candidates_on_32_devices(snap):
+    cluster, s = snap
+    w = WhatIf.for_cluster(cluster)
+    cands = _cands(s, 8) + _cands(s, 0)
+    w.evaluate(s, cands)  # warm the cost caches
+    times = []
+    for i in range(200):
+        c = _cands(s, 8, share=0.2 + (i % 5) / 10, mode="sequences" if i % 2 else "segments")
+        t0 = time.perf_counter()
+        res = w.evaluate(s, c)
+        times.append(time.perf_counter() - t0)
+        assert len(res) == 8
+    times.sort()
+    p99 = times[int(0.99 * len(times)) - 1]
+    assert p99 < 0.025  # the published target is 5 ms (docs/simulator.md); CI machines are noisy
+
+
+def test_offload_to_idle_guest_helps_a_prefill_backlog(snap):
+    cluster, s = snap
+    w = WhatIf.for_cluster(cluster)
+    idle = [d for d in s.devices.values() if d.home_tenant != "t00"]
+    idle[0].busy, idle[0].running, idle[0].queued, idle[0].queued_prefill_tokens = False, 0, 0, 0
+    busy = next(d for d in s.devices.values() if d.queued_prefill_tokens > 0 and d.home_tenant == "t00")
+    c = GrantLease("t00", busy.id, idle[0].id, tuple(f"mlp[{i}]" for i in range(20)), 2.0, 0.5, 0)
+    r = w.evaluate(s, [c])[0]
+    assert r.leased_iter_s < r.home_iter_s and r.gain > 0.1
+    assert r.ttft_s < r.ttft_before_s
+    assert r.guest_memory_peak_bytes > idle[0].used_bytes
+    assert set(r.busy_timeline) == {busy.id, idle[0].id}
+
+
+def test_more_share_costs_the_guest_more(snap):
+    cluster, s = snap
+    w = WhatIf.for_cluster(cluster)
+    lo, hi = w.evaluate(s, [_cands(s, 1, share=0.1)[0], _cands(s, 1, share=0.8)[0]])
+    assert hi.guest_tpot_s > lo.guest_tpot_s and hi.guest_ttft_s > lo.guest_ttft_s
+    assert "guest_tpot" in hi.breaks or "guest_ttft" in hi.breaks
+
+
+def test_memory_bound_is_checked(snap):
+    cluster, s = snap
+    w = WhatIf.for_cluster(cluster)
+    c = _cands(s, 1, mode="sequences")[0]
+    g = s.devices[c.guest_device]
+    saved = g.used_bytes
+    g.used_bytes = g.limit_bytes - 10**9  # 1 GB left: a 7B model does not fit
+    try:
+        r = w.evaluate(s, [c])[0]
+    finally:
+        g.used_bytes = saved
+    assert "memory_now" in r.breaks and not r.ok

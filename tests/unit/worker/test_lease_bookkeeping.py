@@ -1,0 +1,95 @@
+"""Staged-weight LRU and pins, guest segment statistics in step reports, the emulated lease agent's timing."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.worker.core import StepAggregator
+from services.worker.emulated import EmulatedEngine
+from services.worker.emulated_leases import EmulatedLeaseAgent
+from services.worker.guest import StagedWeights
+from shared.config import parse_cluster, parse_tenants
+from shared.messages import LeaseGranted, LeaseRevoked
+from shared.model.config import PRESETS
+from shared.model.engine import SamplingParams
+from shared.model.llama import LlamaModel
+
+
+def test_staged_weights_lru_order_pins_and_drop():
+    cfg = PRESETS["tiny-2l"]
+    home = LlamaModel(cfg, seed=1)
+    w = StagedWeights("cpu")
+    for seg in ("mlp[0]", "mlp[1]"):
+        w.put("a", cfg, seg, home.segment_state_dict(seg))
+    w.put("b", cfg, "mlp[0]", home.segment_state_dict("mlp[0]"))
+    one = home.segment_weight_bytes("mlp[0]")
+    assert w.nbytes == 3 * one and w.has("a", "mlp[1]")
+    w.get("a", "mlp[0]")  # used: now most recent
+    assert [(t, s) for t, s, _ in w.evictable(set())] == [("a", "mlp[1]"), ("b", "mlp[0]"), ("a", "mlp[0]")]
+    assert [(t, s) for t, s, _ in w.evictable({("a", "mlp[1]")})] == [("b", "mlp[0]"), ("a", "mlp[0]")]
+    assert w.drop("a", "mlp[1]") == one and not w.has("a", "mlp[1]")
+    assert "mlp[1]" not in w.models["a"].segments and w.nbytes == 2 * one
+    with pytest.raises(ValueError, match="missing tensor"):
+        w.put("a", cfg, "mlp[1]", {})
+
+
+def test_guest_segments_reach_the_step_report_without_counting_as_home_busy():
+    agg = StepAggregator("cpu1", "tb")
+    agg.add_segment("ta/mlp[0]", 8, 1.5)
+    agg.add_segment("ta/mlp[0]", 7, 2.5)
+    rep = agg.flush(0)
+    assert rep is not None and rep.steps == 0 and rep.busy_ms == 0 and rep.busy_intervals == []
+    (st,) = rep.segments
+    assert (st.segment, st.tokens_bucket, st.count, st.total_ms) == ("ta/mlp[0]", 8, 2, 4.0)
+    assert agg.flush(0) is None
+
+
+CLUSTER = parse_cluster({"devices": [{"id": "h0", "backend": "emulated", "kind": "h100-80gb", "memory_gb": 80},
+                                     {"id": "g0", "backend": "emulated", "kind": "h100-80gb", "memory_gb": 80}],
+                         "links": {"intra_host": "nvlink"}})
+TENANTS = parse_tenants({"tenants": [
+    {"name": "a", "model": "llama-7b", "sla": {"ttft_ms": 2000, "tpot_ms": 100}, "home_devices": ["h0"]},
+    {"name": "b", "model": "llama-7b", "sla": {"ttft_ms": 2000, "tpot_ms": 100}, "home_devices": ["g0"]}]},
+    cluster=CLUSTER)
+
+
+def _agent(device: str, clock) -> tuple[EmulatedLeaseAgent, EmulatedEngine]:
+    t = TENANTS.tenants[0 if device == "h0" else 1]
+    eng = EmulatedEngine(t.model.config, "h100-80gb", kv_blocks=4096, noise_sigma=0.0, sleep=lambda s: None)
+    return EmulatedLeaseAgent(cluster=CLUSTER, device=CLUSTER.device(device), tenant=t, tenants=TENANTS,
+                              engine=eng, clock=clock), eng
+
+
+def _lease(now: float, share: float) -> LeaseGranted:
+    return LeaseGranted(msg_id="m", lease_id="L", tenant="a", home_device="h0", guest_device="g0",
+                        segments=[f"mlp[{i}]" for i in range(32)], start_ts=now, end_ts=now + 10, share=share)
+
+
+def test_emulated_driver_iterations_get_shorter_and_guest_iterations_longer_under_a_lease():
+    now = [1000.0]
+    drv, deng = _agent("h0", lambda: now[0])
+    gst, geng = _agent("g0", lambda: now[0])
+    for eng in (deng, geng):
+        for i in range(32):
+            eng.add(f"r{i}", [5] * 64, SamplingParams(max_tokens=50, ignore_eos=True))
+    plan = deng._plan()  # a prefill-heavy iteration: where the cost model says offloading MLPs pays
+    base = deng.predicted_s(plan)
+    assert drv.iteration_time(plan, base) == base  # no lease yet
+    asyncio.run(drv.on_message(_lease(now[0], 1.0)))
+    asyncio.run(gst.on_message(_lease(now[0], 0.5)))
+    leased = drv.iteration_time(plan, base)
+    assert leased < base and drv.iterations_leased == 1
+    gplan = geng._plan()
+    gbase = geng.predicted_s(gplan)
+    assert gst.iteration_time(gplan, gbase) == pytest.approx(gbase / 0.5)  # worst case: the lease's whole share
+    h = drv.health_fields()
+    assert h["leases_driver"] == "L:active" and h["lease_timing"] == "emulated"
+    assert gst.health_fields()["leases_guest"] == "L:active"
+    asyncio.run(drv.on_message(LeaseRevoked(msg_id="r", lease_id="L", tenant="a", home_device="h0",
+                                            guest_device="g0")))
+    assert drv.iteration_time(plan, base) == base
+    now[0] += 100  # a lease past its window no longer counts even without a revoke
+    assert gst.iteration_time(gplan, gbase) == gbase
+    deng.step()  # the hook is wired into the engine's step
+    assert deng.time_hook == drv.iteration_time

@@ -250,12 +250,14 @@ class WhatIfQuery(Msg, frozen=True, kw_only=True):
 
 
 class RequestPrediction(msgspec.Struct, frozen=True, array_like=True):
-    """Predicted latency of one affected request (running, queued, or the candidate itself)."""
+    """Predicted latency of affected requests that share one prediction: the running requests of a tenant on a
+    device, the worst of its queued ones (``queued:<tenant>``), a typical new one (``typical:<tenant>``), or the
+    candidate request itself."""
 
-    request_id: str
+    request_ids: list[str]
     tenant: str
     device: str
-    ttft_ms: float  # predicted TTFT; for a request past its first token, the measured one is not known: 0
+    ttft_ms: float  # predicted TTFT; 0 for requests already past their first token
     tpot_ms: float
     sla_ok: bool
 

@@ -33,6 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per configuration")
     parser.add_argument("--rpc-rows", default="8,16,64,256", help="hidden-state rows per RPC (tiny: 1 KiB per row)")
     parser.add_argument("--rpc-iters", type=int, default=300, help="timed calls per RPC configuration")
+    parser.add_argument("--prefill-tokens", type=int, default=64,
+                        help="also time prefill steps of --batches prompts of this many tokens (0: skip)")
     parser.add_argument("--skip-rpc", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
@@ -134,7 +136,7 @@ def bench_rpc(rows_list: list[int], iters: int) -> list[dict]:
     return out
 
 
-def _engine(preset: str, batch: int):
+def _engine(preset: str, batch: int, prefill: int = 0):
     from shared.model.config import PRESETS
     from shared.model.engine import Engine, SamplingParams
     from shared.model.llama import LlamaModel
@@ -142,15 +144,46 @@ def _engine(preset: str, batch: int):
 
     cfg = PRESETS[preset]
     model = LlamaModel(cfg, seed=0)
-    eng = Engine(model, load_tokenizer(None, cfg), kv_blocks=batch * 40, block_size=16, max_batch_tokens=4096,
-                 max_running=batch)
-    for i in range(batch):
-        eng.add(f"r{i}", [3 + (i * 7 + j) % 200 for j in range(32)], SamplingParams(max_tokens=500, ignore_eos=True))
-    eng.step()  # prefill
+    eng = Engine(model, load_tokenizer(None, cfg), kv_blocks=batch * (40 + prefill // 16), block_size=16,
+                 max_batch_tokens=max(4096, batch * prefill), max_running=batch)
+    if not prefill:
+        for i in range(batch):
+            eng.add(f"r{i}", [3 + (i * 7 + j) % 200 for j in range(32)],
+                    SamplingParams(max_tokens=500, ignore_eos=True))
+        eng.step()  # prefill; the timed steps decode
     return eng
 
 
-def bench_steps(presets: list[str], batches: list[int], steps: int) -> list[dict]:
+def _timed(step):
+    def run() -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+    return run
+
+
+class _Prefill:
+    """A step that prefills ``batch`` fresh prompts of ``tokens`` tokens (then drops them)."""
+
+    def __init__(self, eng, batch: int, tokens: int, step) -> None:
+        self.eng, self.batch, self.tokens, self.step, self.n = eng, batch, tokens, step, 0
+
+    def __call__(self) -> float:
+        from shared.model.engine import SamplingParams
+        ids = [f"p{self.n}-{i}" for i in range(self.batch)]
+        self.n += 1
+        for i, rid in enumerate(ids):
+            self.eng.add(rid, [3 + (i * 5 + j) % 200 for j in range(self.tokens)], SamplingParams(max_tokens=2))
+        t0 = time.perf_counter()
+        self.step()
+        dt = time.perf_counter() - t0
+        for rid in ids:
+            self.eng.cancel(rid)
+        return dt
+
+
+def bench_steps(presets: list[str], batches: list[int], steps: int, prefill: int = 0) -> list[dict]:
+    """Median step time alone / split at home / leased; decode steps, or prefill steps of ``prefill`` tokens."""
     from services.worker.driver import DriverLink, DriverOptions, LeaseRemote
     from services.worker.segment_server import SegmentClient, TensorMover
     from shared.messages import LeaseGranted
@@ -161,9 +194,10 @@ def bench_steps(presets: list[str], batches: list[int], steps: int) -> list[dict
         peer = Peer("--mode", "mlp", "--preset", preset, "--seed", "0")
         try:
             for batch in batches:
-                row: dict = {"preset": preset, "batch": batch, "steps": steps}
+                row: dict = {"preset": preset, "batch": batch, "kind": f"prefill {prefill}" if prefill else "decode",
+                             "steps": steps}
                 for mode in ("alone", "split_local", "leased"):
-                    eng = _engine(preset, batch)
+                    eng = _engine(preset, batch, prefill)
                     link = None
                     if mode == "leased":
                         segs = [s for s in eng.model.segments if s.startswith("mlp")]
@@ -177,13 +211,10 @@ def bench_steps(presets: list[str], batches: list[int], steps: int) -> list[dict
                         step = lambda: pipelined_step(eng, None, 2)  # noqa: E731
                     else:
                         step = eng.step
+                    timed = _Prefill(eng, batch, prefill, step) if prefill else _timed(step)
                     for _ in range(5):
-                        step()
-                    times = []
-                    for _ in range(steps):
-                        t0 = time.perf_counter()
-                        step()
-                        times.append((time.perf_counter() - t0) * 1e3)
+                        timed()
+                    times = [timed() * 1e3 for _ in range(steps)]
                     row[f"{mode}_ms"] = round(statistics.median(times), 2)
                     if link is not None:
                         row["fallbacks"] = link.fallbacks
@@ -214,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
         result["rpc"] = bench_rpc(rows, args.rpc_iters)
     if not args.skip_steps:
         result["steps"] = bench_steps(presets, batches, args.steps)
+        if args.prefill_tokens > 0:
+            result["steps"] += bench_steps(presets, batches, max(5, args.steps // 4), args.prefill_tokens)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

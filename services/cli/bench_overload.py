@@ -311,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
         env["SLICESCHED_MAX_INFLIGHT"] = str(args.max_inflight)
     if args.admit_sla_fraction is not None:
         env["SLICESCHED_ADMIT_SLA_FRACTION"] = str(args.admit_sla_fraction)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="slicesched-overload-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()),
                             tenants_file=str(Path(args.tenants).resolve()), data_dir=Path(tmp), gateway_port=0,
@@ -345,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
               "capacity_rps": capacity, "max_violation": args.max_violation, "probes": bench.probes, "phases": phases,
               "machine": f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, no GPU",
+              "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
               "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join(["slicesched", *sys.argv[1:]])}
     print(f"capacity {capacity:.2f} req/s (violations <= {args.max_violation:.0%}), tenant {tenant.name}, "
           f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens")

@@ -64,6 +64,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-duration-s", type=float, default=None, help="replay only the first D s in the sim part")
     p.add_argument("--mesh-duration-s", type=float, default=None, help="replay only the first D s on the meshes")
     p.add_argument("--tolerance", type=float, default=None, help="bisection stop (hi/lo < 1 + tolerance)")
+    p.add_argument("--start-scale", type=float, default=None, help="first rate scale tried (default: per part)")
     p.add_argument("--sim-workloads", default=",".join(SIM_WORKLOADS))
     p.add_argument("--sim-cluster", default=SIM_CLUSTER)
     p.add_argument("--sim-policies", default=SIM_POLICIES)
@@ -77,7 +78,7 @@ def results_command(args: argparse.Namespace) -> str:
                                  ("--md", args.md, None), ("--readme", args.readme, "README.md"),
                                  ("--jobs", args.jobs, 2), ("--sim-duration-s", args.sim_duration_s, None),
                                  ("--mesh-duration-s", args.mesh_duration_s, None),
-                                 ("--tolerance", args.tolerance, None),
+                                 ("--tolerance", args.tolerance, None), ("--start-scale", args.start_scale, None),
                                  ("--sim-workloads", args.sim_workloads, ",".join(SIM_WORKLOADS)),
                                  ("--sim-cluster", args.sim_cluster, SIM_CLUSTER),
                                  ("--sim-policies", args.sim_policies, SIM_POLICIES)):
@@ -89,7 +90,8 @@ def results_command(args: argparse.Namespace) -> str:
 def search_for(args: argparse.Namespace, kind: str) -> Search:
     base = (QUICK if args.quick else FULL)[kind]
     dur = args.sim_duration_s if kind == "sim" else args.mesh_duration_s
-    return Search(dur if dur is not None else base.duration_s, base.start_scale,
+    return Search(dur if dur is not None else base.duration_s,
+                  args.start_scale if args.start_scale is not None else base.start_scale,
                   args.tolerance if args.tolerance is not None else base.tolerance, base.max_scale)
 
 

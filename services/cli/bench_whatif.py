@@ -52,12 +52,21 @@ def _candidates(rng: random.Random, cluster, tenants, n: int):
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc), 0 when unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path) -> dict:
+async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path, redis_pid: int = 0) -> dict:
     from shared.gmg import GMGStore
     from shared.messages import requests_stream
     from shared.redis_util import command_client
@@ -82,8 +91,12 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path) 
             await asyncio.sleep(0.1)
         client = await WhatIfClient(redis, url, prefix).start()
         lat, compute, outcomes = [], [], 0
+        pids = {"client": os.getpid(), "simulator": proc.pid, "redis": redis_pid}
+        cpu0, load0, wall0 = {}, os.getloadavg()[0], 0.0
         try:
             for i in range(args.warmup + args.queries):
+                if i == args.warmup:
+                    cpu0, wall0 = {k: _cpu_s(p) for k, p in pids.items()}, time.perf_counter()
                 cands = _candidates(rng, cluster, tenants, args.candidates)
                 t0 = time.perf_counter()
                 reply = await client.whatif(cands, timeout_s=args.timeout_ms / 1e3)
@@ -92,6 +105,8 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path) 
                     lat.append(dt * 1e3)
                     compute.append(reply.compute_ms)
                     outcomes += len(reply.outcomes)
+            cpu = {k: (_cpu_s(p) - cpu0[k]) / max(1, args.queries) * 1e3 for k, p in pids.items()}
+            wall = time.perf_counter() - wall0
         finally:
             await client.close()
     finally:
@@ -103,6 +118,8 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path) 
             "tenants": len(tenants.tenants), "outcomes": outcomes,
             "rpc_ms": {"p50": _pct(lat, 0.5), "p90": _pct(lat, 0.9), "p99": _pct(lat, 0.99), "max": max(lat)},
             "compute_ms": {"p50": _pct(compute, 0.5), "p99": _pct(compute, 0.99)},
+            "cpu_ms_per_query": {k: round(v, 3) for k, v in cpu.items()},  # simulator's includes its refresh loops
+            "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]}, "wall_s": wall,
             "target_p99_ms": 5.0, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
@@ -118,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-whatif-") as tmp:
         server = RedisServer(data_dir=Path(tmp) / "redis").start()
         try:
-            res = asyncio.run(_bench(args, cluster, tenants, server.url, "bench:", Path(tmp)))
+            res = asyncio.run(_bench(args, cluster, tenants, server.url, "bench:", Path(tmp),
+                                     server.proc.pid if server.proc else 0))
         finally:
             server.stop()
     r, c = res["rpc_ms"], res["compute_ms"]
@@ -127,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  round trip ms: p50 {r['p50']:.2f}  p90 {r['p90']:.2f}  p99 {r['p99']:.2f}  max {r['max']:.2f}  "
           f"(target p99 <= {res['target_p99_ms']:.0f})")
     print(f"  server compute ms: p50 {c['p50']:.2f}  p99 {c['p99']:.2f}")
+    cpu = res["cpu_ms_per_query"]
+    print(f"  CPU ms per query: client {cpu['client']:.2f}  simulator {cpu['simulator']:.2f}  "
+          f"redis {cpu['redis']:.2f}  (1-min load average {res['loadavg_1m']['start']:.1f} -> "
+          f"{res['loadavg_1m']['end']:.1f} on {os.cpu_count()} CPUs)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=2))
     return 0

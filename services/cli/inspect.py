@@ -17,7 +17,7 @@ import redis as syncredis
 from services.inspect import render as R
 
 VIEWS = ("devices", "tenants", "leases", "forecasts", "streams", "request")
-R_DEAD_DEFAULT = 20
+DEAD_DEFAULT = 20
 
 
 def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
@@ -47,9 +47,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         if v == "request":
             sp.add_argument("request_id", metavar="ID")
         if v == "streams":
-            sp.add_argument("--dead", type=int, default=R_DEAD_DEFAULT, metavar="N",
-                            help=f"recent dead letters to list (default {R_DEAD_DEFAULT})")
-
+            sp.add_argument("--dead", type=int, default=DEAD_DEFAULT, metavar="N",
+                            help=f"recent dead letters to list (default {DEAD_DEFAULT})")
 
 
 class InspectError(Exception):
@@ -75,6 +74,8 @@ def collect(r: syncredis.Redis, args: argparse.Namespace) -> dict:
         doc = StreamsReader(r, prefix).request(args.request_id)
     except (syncredis.ConnectionError, syncredis.TimeoutError, OSError) as e:
         raise InspectError(f"cannot read Redis at {_safe_url(args.redis_url)}: {e}", 2) from None
+    except syncredis.RedisError as e:  # e.g. NOPERM for a user without read access to these keys or commands
+        raise InspectError(f"Redis at {_safe_url(args.redis_url)} refused a read: {e}", 2) from None
     if not doc["found"]:
         raise InspectError(f"no request {args.request_id!r} under prefix {prefix!r} (journeys expire an hour after "
                            "the request ends)", 1)
@@ -176,23 +177,33 @@ def _tenants(doc: dict) -> str:
 
 
 def _leases(doc: dict) -> str:
-    rows = [[x["id"], x["tenant"], x["guest"], x["home"] or "-", ",".join(x["segments"]), R.human_bytes(x["nbytes"]),
+    rows = [[x["id"], x["tenant"], x["guest"], x["home"] or "-", x["mode"] or "-", ",".join(x["segments"]),
+             R.human_bytes(x["nbytes"]), R.ratio(x["share"]),
              R.human_age(x["remaining_s"]) if (x["remaining_s"] or 0) >= 0 else "ended", x["state"]]
             for x in doc["leases"]]
-    return R.table(["LEASE", "TENANT", "GUEST", "HOME", "SEGMENTS", "BYTES", "ENDS_IN", "STATE"], rows,
-                   empty="(no active leases)")
+    return R.table(["LEASE", "TENANT", "GUEST", "HOME", "MODE", "SEGMENTS", "BYTES", "SHARE", "ENDS_IN", "STATE"],
+                   rows, empty="(no active leases)")
 
 
 def _forecasts(doc: dict) -> str:
     rows = []
     for f in doc["forecasts"]:
-        parts = []
-        for k, v in f["fields"].items():
-            if isinstance(v, (list, dict)):
-                v = f"[{len(v)} items]"
-            parts.append(f"{k}={v}")
-        rows.append([f["device"], R.human_age(f["age_s"]), " ".join(parts)[:160]])
-    return R.table(["DEVICE", "AGE", "FIELDS"], rows, empty="(no forecasts published)")
+        x = f["fields"]
+        rows.append([f["device"], x.get("state", "-"), x.get("tenant") or "-", R.human_age(f["age_s"]),
+                     R.human_age(x.get("horizon_s")), R.percent(x.get("busy_ratio")), R.human_age(x.get("next_idle_s")),
+                     R.human_age(x.get("longest_idle_s")), x.get("iteration_ms", "-"),
+                     R.human_bytes(x.get("free_now")), R.human_bytes(x.get("free_min")), x.get("label", "-")])
+    out = [R.table(["DEVICE", "STATE", "TENANT", "AGE", "HORIZON", "BUSY", "NEXT_IDLE", "LONGEST_IDLE", "ITER_MS",
+                    "FREE_NOW", "FREE_MIN", "LABEL"], rows, empty="(no forecasts published)")]
+    if doc.get("rates"):
+        out += ["", R.table(["TENANT", "ARRIVALS/S", "MEAN_INPUT", "MEAN_OUTPUT"],
+                            [[t, R.ratio(v.get("rate_rps")), R.ratio(v.get("mean_input"), 1),
+                              R.ratio(v.get("mean_output"), 1)] for t, v in doc["rates"].items()])]
+    if doc.get("corrections"):
+        out += ["", R.table(["DEVICE/KIND", "FACTOR", "ERROR", "SAMPLES"],
+                            [[k, R.ratio(v["factor"], 3), R.percent(v["error"]), v["samples"]]
+                             for k, v in doc["corrections"].items()])]
+    return "\n".join(out)
 
 
 def _streams(doc: dict) -> str:
@@ -220,8 +231,8 @@ def _request(doc: dict) -> str:
                          ("expires in", R.human_age(doc["ttl_s"]) if doc["ttl_s"] is not None else "-")]
                         + [(k, v) for k, v in doc["fields"].items() if k not in ("state", "tenant")])
     out = [head, "", R.table(["EVENT", "TIME_UTC", "+MS"],
-                             [[e["event"], time.strftime("%H:%M:%S", time.gmtime(e["ts"])) + f".{int(e['ts'] % 1 * 1000):03d}",
-                               f"{e['t_ms']:.1f}"] for e in doc["timeline"]], empty="(no timestamps)")]
+                             [[e["event"], _utc(e["ts"]), f"{e['t_ms']:.1f}"] for e in doc["timeline"]],
+                             empty="(no timestamps)")]
     if doc["devices"]:
         out += ["", R.table(["DEVICE", "STATUS", "OUTCOME"],
                             [[d["device"], d["status"], d["outcome"] or "-"] for d in doc["devices"]])]
@@ -229,3 +240,7 @@ def _request(doc: dict) -> str:
         out += ["", R.table(["DEAD_ID", "STREAM", "ENTRY", "REASON"],
                             [[e["id"], e["stream"], e["entry_id"], e["reason"][:100]] for e in doc["dead_letters"]])]
     return "\n".join(out)
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}"

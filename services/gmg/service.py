@@ -138,9 +138,6 @@ class GMGService:
     async def _sweep_loop(self) -> None:
         while not self.shell.stop.is_set():
             try:
-                if not await self.redis.exists(self.store.keys.devices):  # Redis lost its data (AOF off, flush)
-                    epoch = await self.store.register_cluster(self.cluster, self.tenants)
-                    log.warning("gmg_registry_restored", epoch=epoch)
                 await self.sweep_once()
             except REDIS_ERRORS as e:
                 log.warning("gmg_sweep_error", error=repr(e))

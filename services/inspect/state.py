@@ -174,12 +174,14 @@ class StateReader:
                         "home": h.get("home", ""), "segments": [x for x in h.get("segments", "").split(",") if x],
                         "start_ts": _float(h.get("start_ts")), "end_ts": end,
                         "remaining_s": None if end is None else round(end - now, 3),
-                        "nbytes": _int(h.get("nbytes")), "state": h.get("state", "")})
+                        "nbytes": _int(h.get("nbytes")), "share": _float(h.get("share")),
+                        "mode": h.get("mode") or None, "state": h.get("state", "")})
         out.sort(key=lambda x: (x["end_ts"] or 0, x["id"]))
         return {"kind": "leases", "ts": now, "prefix": self.p, "leases": out}
 
     # ------------------------------------------------------------ forecasts
     def forecasts(self) -> dict:
+        """The simulator's per-device forecasts (``sim:forecast:{device}``), arrival rates and corrections."""
         now = time.time()
         base = f"{self.p}sim:forecast:"
         keys = sorted(s(k) for k in self.r.scan_iter(match=f"{base}*", count=500))
@@ -189,15 +191,38 @@ class StateReader:
                 h = sdict(self.r.hgetall(key))
             except syncredis.ResponseError:  # not a hash (WRONGTYPE): not a forecast we understand
                 continue
-            fields = {k: _field(v) for k, v in sorted(h.items())}
-            ts = next((_float(h[f]) for f in ("ts", "generated_ts", "updated_ts", "now_ts") if f in h), None)
+            fields = {k: _field(k, v) for k, v in sorted(h.items())}
+            ts = next((_float(h[f]) for f in ("ts", "generated_ts", "updated_ts") if f in h), None)
             out.append({"device": key[len(base):], "ts": ts, "age_s": None if ts is None else round(now - ts, 3),
                         "fields": fields})
-        return {"kind": "forecasts", "ts": now, "prefix": self.p, "forecasts": out}
+        rates, corrections = {}, {}
+        try:
+            for k, v in sdict(self.r.hgetall(f"{self.p}sim:rates")).items():
+                tenant, _, what = k.partition(":")
+                if tenant not in ("ts", "window_s"):
+                    rates.setdefault(tenant, {})[what or "rate_rps"] = _float(v)
+            for k, v in sdict(self.r.hgetall(f"{self.p}sim:corrections")).items():
+                factor, error, samples = (v.split("|") + ["", "", ""])[:3]
+                corrections[k] = {"factor": _float(factor), "error": _float(error), "samples": _int(samples)}
+        except syncredis.ResponseError:  # not hashes: nothing we understand
+            pass
+        return {"kind": "forecasts", "ts": now, "prefix": self.p, "forecasts": out,
+                "rates": dict(sorted(rates.items())), "corrections": dict(sorted(corrections.items()))}
 
 
-def _field(v: str) -> Any:
-    """A forecast field: JSON lists/objects decoded, numbers as numbers, anything else as the string."""
+def _field(name: str, v: str) -> Any:
+    """A forecast field: interval lists (``busy``/``idle``: ``s-e,…``; ``memory``: ``t:bytes,…``) as lists of pairs,
+    JSON as JSON, numbers as numbers, anything else as the string."""
+    if name in ("busy", "idle", "memory"):
+        sep = ":" if name == "memory" else "-"
+        pairs = []
+        for part in filter(None, v.split(",")):
+            a, _, b = part.partition(sep)
+            try:
+                pairs.append([float(a), int(b) if name == "memory" else float(b)])
+            except ValueError:
+                return v
+        return pairs
     if v[:1] in "[{":
         try:
             return json.loads(v)

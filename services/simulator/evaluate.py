@@ -133,15 +133,19 @@ class WhatIfEvaluator:
         sla_ok = not any(b in ("guest_ttft", "guest_tpot", "lease_tpot") for b in r.breaks)
         sla_a = self.sla[c.tenant]
         a_ok = r.tpot_s * 1e3 <= sla_a.tpot_ms or r.tpot_s <= r.home_iter_s
-        preds = [RequestPrediction(s.request_id, c.tenant, home, 0.0, r.tpot_s * 1e3, a_ok) for s in wh.seqs]
+        preds = []
+        if wh.seqs:
+            preds.append(RequestPrediction([s.request_id for s in wh.seqs], c.tenant, home, 0.0, r.tpot_s * 1e3, a_ok))
         if wh.queued:
-            preds.append(RequestPrediction(f"queued:{c.tenant}", c.tenant, home, r.ttft_s * 1e3, r.tpot_s * 1e3,
+            preds.append(RequestPrediction([f"queued:{c.tenant}"], c.tenant, home, r.ttft_s * 1e3, r.tpot_s * 1e3,
                                            r.ttft_s * 1e3 <= sla_a.ttft_ms or r.ttft_s <= r.ttft_before_s))
         if gt:
             g_ok = "guest_tpot" not in r.breaks
-            preds += [RequestPrediction(s.request_id, gt, c.device, 0.0, r.guest_tpot_s * 1e3, g_ok) for s in wg.seqs]
-            preds.append(RequestPrediction(f"typical:{gt}", gt, c.device, r.guest_ttft_s * 1e3, r.guest_tpot_s * 1e3,
-                                           g_ok and "guest_ttft" not in r.breaks))
+            if wg.seqs:
+                preds.append(RequestPrediction([s.request_id for s in wg.seqs], gt, c.device, 0.0,
+                                               r.guest_tpot_s * 1e3, g_ok))
+            preds.append(RequestPrediction([f"typical:{gt}"], gt, c.device, r.guest_ttft_s * 1e3,
+                                           r.guest_tpot_s * 1e3, g_ok and "guest_ttft" not in r.breaks))
         now, fh = view.cluster.now, view.forecasts[home]
         devices = [DeviceForecast(home, _slots_to_busy(r.busy_timeline.get(home, []), now), fh.peak_bytes, fh.limit),
                    DeviceForecast(c.device, _slots_to_busy(r.busy_timeline.get(c.device, []), now),
@@ -176,8 +180,10 @@ class WhatIfEvaluator:
             reasons.append(f"sla_ttft:{c.tenant}")
         if tpot * 1e3 > sla.tpot_ms:
             reasons.append(f"sla_tpot:{c.tenant}")
-        preds = [RequestPrediction(c.request_id or "candidate", c.tenant, c.device, ttft * 1e3, tpot * 1e3, own_ok)]
-        preds += [RequestPrediction(s.request_id, c.tenant, c.device, 0.0, tpot * 1e3, others_ok) for s in w.seqs]
+        preds = [RequestPrediction([c.request_id or "candidate"], c.tenant, c.device, ttft * 1e3, tpot * 1e3, own_ok)]
+        if w.seqs:
+            preds.append(RequestPrediction([s.request_id for s in w.seqs], c.tenant, c.device, 0.0, tpot * 1e3,
+                                           others_ok))
         busy = _merge(f.busy + [(0.0, min(ttft, view.horizon_s))])
         sla_ok = own_ok and others_ok
         return WhatIfOutcome(index=index, feasible=mem_ok and sla_ok and w.up, memory_ok=mem_ok, sla_ok=sla_ok,

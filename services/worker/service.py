@@ -194,8 +194,9 @@ class WorkerService:
                 res = await loop.run_in_executor(self.compute, self._step if eng is self.engine else eng.step)
             except Exception as e:  # a failed step fails its batch, not the worker
                 log.exception("engine_step_failed")
+                running = set(eng.running_ids())  # the failed batch; waiting requests were not in it
                 for rid in list(self.tracker.items):
-                    if rid in eng.running_ids() or rid in eng.waiting_ids():
+                    if rid in running:
                         eng.cancel(rid)
                         await self._end(rid, "failed", error=(500, "engine_error", f"generation failed: {e!r}"))
                 continue

@@ -53,8 +53,13 @@ async def _populate(redis, redis_url: str, prefix: str) -> dict:
     leases = LeaseStore(store)
     await leases.stage("d1", "a", {"mlp[0]": 1_000_000})
     await leases.commit(Lease("L1", "a", "d1", ("mlp[0]",), now, now + 30, 2_000_000, home="d0"))
-    await redis.hset(f"{prefix}sim:forecast:d0", mapping={"ts": now, "horizon_s": 2.0, "peak_bytes": 12_065_536,
-                                                          "busy": json.dumps([[0.0, 0.5], [1.0, 1.2]])})
+    await redis.hset(f"{prefix}sim:forecast:d0", mapping={  # the simulator's layout (docs/redis-schema.md)
+        "ts": f"{now:.3f}", "horizon_s": "2", "label": "simulated", "state": "up", "tenant": "a", "busy_ratio": "0.350",
+        "busy": "0.000-0.500,1.000-1.200", "idle": "0.500-1.000,1.200-2.000", "next_idle_s": "0.5000",
+        "peak_bytes": "12065536", "free_now": "77934464", "memory": "0.000:12065536,1.500:12000000"})
+    await redis.hset(f"{prefix}sim:rates", mapping={"ts": f"{now:.3f}", "window_s": "10", "a": "2.5000",
+                                                    "a:mean_input": "12.0", "a:mean_output": "30.0"})
+    await redis.hset(f"{prefix}sim:corrections", mapping={"d0/mlp": "1.1000|0.0500|40"})
     await redis.hset(tenant_stats_key(prefix, "a"), mapping={"queued": 3, "running": 2, "ts": now})
     for rid, state in (("r-done", "done"), ("r2", "done"), ("r3", "done"), ("r4", "failed")):
         await redis.hset(req_key(prefix, rid), mapping={"tenant": "a", "gateway": "gw1", "state": state,
@@ -166,10 +171,19 @@ async def test_leases_and_forecasts_views(redis, redis_url, prefix, capsys):
     assert (lease["id"], lease["tenant"], lease["guest"], lease["home"]) == ("L1", "a", "d1", "d0")
     assert lease["segments"] == ["mlp[0]"] and lease["nbytes"] == 2_000_000 and lease["state"] == "active"
     assert 0 < lease["remaining_s"] <= 30
-    fc = _json(capsys, redis_url, prefix, "forecasts")["forecasts"]
+    doc = _json(capsys, redis_url, prefix, "forecasts")
+    fc = doc["forecasts"]
     assert [f["device"] for f in fc] == ["d0"]
-    assert fc[0]["fields"]["busy"] == [[0.0, 0.5], [1.0, 1.2]] and fc[0]["fields"]["peak_bytes"] == 12_065_536
-    assert fc[0]["ts"] == pytest.approx(st["now"]) and fc[0]["age_s"] >= 0
+    f = fc[0]["fields"]
+    assert f["busy"] == [[0.0, 0.5], [1.0, 1.2]] and f["idle"] == [[0.5, 1.0], [1.2, 2.0]]
+    assert f["memory"] == [[0.0, 12_065_536], [1.5, 12_000_000]] and f["peak_bytes"] == 12_065_536
+    assert f["label"] == "simulated" and f["busy_ratio"] == 0.35
+    assert fc[0]["ts"] == pytest.approx(st["now"], abs=0.01) and fc[0]["age_s"] >= 0
+    assert doc["rates"] == {"a": {"rate_rps": 2.5, "mean_input": 12.0, "mean_output": 30.0}}
+    assert doc["corrections"] == {"d0/mlp": {"factor": 1.1, "error": 0.05, "samples": 40}}
+    assert main(["inspect", "--redis-url", redis_url, "--prefix", prefix, "forecasts"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated" in out and "35.0%" in out and "ARRIVALS/S" in out and "d0/mlp" in out
 
 
 async def test_empty_prefix_gives_empty_views(redis_url, prefix, capsys):
@@ -259,3 +273,17 @@ async def test_watch_json_prints_one_object_per_refresh(redis, redis_url, prefix
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0 and ticks == [0.5, 0.5, 0.5] and len(lines) == 3
     assert all(json.loads(x)["kind"] == "devices" for x in lines)
+
+
+async def test_refused_read_is_exit_2_one_line(redis, redis_url, prefix, capsys):
+    await _populate(redis, redis_url, prefix)
+    user = f"ro{prefix.rstrip(':')}"
+    await redis.execute_command("ACL", "SETUSER", user, "on", ">pw", "~other:*", "+@all")
+    try:
+        url = redis_url.replace("redis://", f"redis://{user}:pw@")
+        capsys.readouterr()
+        rc = main(["inspect", "--redis-url", url, "--prefix", prefix, "devices"])
+        err = capsys.readouterr().err
+    finally:
+        await redis.execute_command("ACL", "DELUSER", user)
+    assert rc == 2 and err.count("\n") == 1 and "refused" in err and "pw@" not in err, err

@@ -39,8 +39,8 @@ def poison_payloads(gateway: str, *, each: int = 5, big_mb: int = 50) -> dict[st
     """Payloads by kind; wrong-schema ones carry a request id and gateway so the requester can be told."""
     ok = encode(fake_request("tiny-a", gateway))
     out = {"truncated": [ok[: len(ok) // 2 - i] for i in range(each)],
-           "wrong_schema": [msgspec.msgpack.encode({"type": "InferenceRequest", "request_id": f"poison-{uuid.uuid4().hex}",
-                                                    "gateway": gateway, "tenant": "tiny-a", "prompt_ids": "oops"})
+           "wrong_schema": [msgspec.msgpack.encode({"type": "InferenceRequest", "gateway": gateway, "tenant": "tiny-a",
+                                                    "request_id": f"poison-{uuid.uuid4().hex}", "prompt_ids": "oops"})
                             for _ in range(each)],
            "deeply_nested": [b"\x91" * 100_000 + b"\xc0" for _ in range(each)],
            "blob_50mb": [b"\xc6" + (big_mb * 2**20).to_bytes(4, "big") + b"x" * (big_mb * 2**20)]}

@@ -168,7 +168,8 @@ class Prober:
 
     def __init__(self, driver: Driver, tenant: str, *, interval_s: float = 0.5, need: int = 3,
                  timeout_s: float = 120.0) -> None:
-        self.driver, self.tenant, self.interval_s, self.need, self.timeout_s = driver, tenant, interval_s, need, timeout_s
+        self.driver, self.tenant = driver, tenant
+        self.interval_s, self.need, self.timeout_s = interval_s, need, timeout_s
         self.recovered_at: float | None = None  # monotonic time of the first probe of the successful run
         self.attempts = 0
 

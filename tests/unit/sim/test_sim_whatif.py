@@ -38,13 +38,13 @@ def test_whatif_latency_eight_candidates_on_32_devices(snap):
     times = []
     for i in range(200):
         c = _cands(s, 8, share=0.2 + (i % 5) / 10, mode="sequences" if i % 2 else "segments")
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # CPU time of this thread: what the what-if costs, not the machine's load
         res = w.evaluate(s, c)
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
         assert len(res) == 8
     times.sort()
     p99 = times[int(0.99 * len(times)) - 1]
-    assert p99 < 0.025  # the published target is 5 ms (docs/simulator.md); CI machines are noisy
+    assert p99 < 0.010  # the published target is 5 ms wall (docs/simulator.md); CPU time has margin for CI
 
 
 def test_offload_to_idle_guest_helps_a_prefill_backlog(snap):

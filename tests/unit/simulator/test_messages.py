@@ -13,7 +13,7 @@ def test_whatif_messages_round_trip():
         WhatIfCandidate(kind="admit", tenant="a", device="g0", input_tokens=5, output_tokens=7, request_id="r")])
     r = WhatIfReply(msg_id="m2", query_id="q", epoch=9, compute_ms=0.3, outcomes=[WhatIfOutcome(
         index=0, feasible=False, memory_ok=False, sla_ok=True, reasons=["memory_now:g1"], gain_ms=1.5,
-        requests=[RequestPrediction("r", "a", "g0", 12.0, 3.5, True)],
+        requests=[RequestPrediction(["r", "s"], "a", "g0", 12.0, 3.5, True)],
         devices=[DeviceForecast("g1", [(0.0, 0.25)], 100, 200)])])
     assert decode(encode(q), SimRpcMsg) == q
     assert decode(encode(r), SimReplyMsg) == r

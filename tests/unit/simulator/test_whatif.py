@@ -62,7 +62,7 @@ def test_lease_on_idle_guest_helps_and_books_memory():
     hidden = PRESETS["llama-7b"].hidden_size * 2
     assert guest.memory_peak_bytes == 32 * seg + 2 * 2048 * hidden  # staging + the library's activation buffers
     assert guest.busy and guest.busy[0][0] == 0.0  # the guest work fills its idle time
-    assert {p.request_id for p in out.requests} == {f"a{i}" for i in range(64)}
+    assert {r for p in out.requests for r in p.request_ids} == {f"a{i}" for i in range(64)}
 
 
 def test_lease_refused_when_guest_memory_would_overflow():
@@ -84,7 +84,7 @@ def test_admit_predicts_ttft_with_queue_and_memory():
     core = _core(_snap(running_a=0, running_b=16))
     [out] = _ask(core, WhatIfCandidate(kind="admit", tenant="b", device="g1", input_tokens=1000,
                                        output_tokens=100, request_id="new")).outcomes
-    me = next(p for p in out.requests if p.request_id == "new")
+    me = next(p for p in out.requests if p.request_ids == ["new"])
     cost = core.twin.cost("b", "g1")
     assert me.ttft_ms > 3 * cost.prefill_time(512) * 1e3  # three queued prompts first
     assert out.devices[0].memory_peak_bytes == core.view.forecasts["g1"].peak_bytes + 1100 * cost.kv_bytes_per_token

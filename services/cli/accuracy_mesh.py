@@ -12,6 +12,7 @@ every 0.5 s) and ``RequestFinished`` (the worker's view of each request). Everyt
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,7 +51,7 @@ class MeshMeasurement:
     segments: list[SegmentBucket]
     memory: dict[str, list[tuple[float, int]]]  # device -> [(t, weight + KV bytes)] from heartbeats
     capacity_bytes: dict[str, int]
-    reports: list[dict[str, Any]]  # per StepReport: device, start, end, steps, busy_ms, segment_ms
+    reports: list[dict[str, Any]]  # per StepReport: device, start, end, steps, busy_ms, segment_ms, segments
     worker_requests: list[dict[str, Any]]  # per RequestFinished: device, tenant, tokens, started/first/finish
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -111,8 +112,9 @@ def split_phase(events: list, t0_ts: float, since_ts: float, until_ts: float) ->
             memory.setdefault(msg.device, []).append((msg.ts - t0_ts, msg.weight_bytes + msg.kv_used_bytes))
             capacity[msg.device] = msg.capacity_bytes
         elif isinstance(msg, StepReport) and since_ts <= msg.window_end_ts < until_ts:
-            seg_ms = 0.0
+            seg_ms, segs = 0.0, []
             for st in msg.segments:
+                segs.append([st.segment, st.tokens_bucket, st.count, st.total_ms])
                 key = (msg.device, st.segment, st.tokens_bucket)
                 b = buckets.get(key)
                 if b is None:
@@ -123,7 +125,7 @@ def split_phase(events: list, t0_ts: float, since_ts: float, until_ts: float) ->
                 seg_ms += st.total_ms
             reports.append({"device": msg.device, "start": msg.window_start_ts - t0_ts,
                             "end": msg.window_end_ts - t0_ts, "steps": msg.steps, "busy_ms": msg.busy_ms,
-                            "segment_ms": seg_ms,
+                            "segment_ms": seg_ms, "segments": segs,
                             "intervals": [[a - t0_ts, b - t0_ts] for a, b in msg.busy_intervals]})
         elif isinstance(msg, RequestFinished) and since_ts <= msg.ts < until_ts:
             started = msg.ts - msg.e2e_ms / 1e3
@@ -191,15 +193,31 @@ def run_mesh(cluster_file: str, tenants_file: str, phases: list[tuple[str, list[
             replay_requests(launcher.gateway_url, warm, tenants, tenants_file, 60.0)
             time.sleep(SETTLE_S)
             for name, reqs in phases:
-                since = time.time()
+                since, cpu0 = time.time(), _cpu_times()
                 records, t0 = replay_requests(launcher.gateway_url, reqs, tenants, tenants_file, timeout_s)
                 time.sleep(SETTLE_S)
-                windows.append((name, records, t0, since, time.time()))
+                load = {"loadavg_1m": os.getloadavg()[0], "machine_busy": _busy(cpu0, _cpu_times())}
+                windows.append((name, records, t0, since, time.time(), load))
                 log.info("accuracy_phase_done", phase=name, requests=len(records))
             events = read_events(launcher.redis_url, prefix)
         finally:
             launcher.stop(drain_s=10)
     return {name: MeshMeasurement(t0_ts=t0, requests=[r.to_dict() for r in records],
-                                  meta={"cluster": cluster_file, "tenants": tenants_file},
+                                  meta={"cluster": cluster_file, "tenants": tenants_file, **load},
                                   **split_phase(events, t0, since, until))
-            for name, records, t0, since, until in windows}
+            for name, records, t0, since, until, load in windows}
+
+
+def _cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine from /proc/stat ((0, 0) where it is not readable)."""
+    try:
+        vals = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
+    return sum(vals) - idle, sum(vals)
+
+
+def _busy(a: tuple[float, float], b: tuple[float, float]) -> float | None:
+    """Fraction of all cores busy between two :func:`_cpu_times` readings (every process, ours included)."""
+    return (b[0] - a[0]) / (b[1] - a[1]) if b[1] > a[1] else None

@@ -17,7 +17,7 @@ from typing import Callable
 from services.worker.core import tokens_bucket
 from shared.config import ClusterConfig, TenantsConfig
 from shared.costmodel import ModelCost, cost_for
-from shared.costmodel.accuracy import BucketStats
+from shared.costmodel.accuracy import BucketStats, value_at
 from shared.model.graph import segment_names
 from shared.workload import Workload, WorkloadRequest
 
@@ -26,7 +26,7 @@ WORKER_BATCHING = dict(max_num_seqs=64, max_batched_tokens=256, kv_block_tokens=
 
 @dataclass(frozen=True)
 class Iteration:
-    """One simulated iteration's batch on one device."""
+    """One simulated iteration's batch on one device (``scale``: the drift factor applied to its time)."""
 
     device: str
     n_decode: int
@@ -35,20 +35,23 @@ class Iteration:
     prefill_pairs: int
     prefill_reads: int
     sampled: int
+    scale: float = 1.0
 
 
 class _RecordingCost:
-    """A :class:`ModelCost` that records the batch of every iteration it is asked to time."""
+    """A :class:`ModelCost` that records the batch of every iteration it is asked to time, and scales the time
+    by ``scale()`` (a drift factor that may change with simulated time)."""
 
-    def __init__(self, cost: ModelCost, device: str, sink: list[Iteration]) -> None:
-        self._cost, self._device, self._sink = cost, device, sink
+    def __init__(self, cost: ModelCost, device: str, sink: list[Iteration], scale: Callable[[], float]) -> None:
+        self._cost, self._device, self._sink, self._scale = cost, device, sink, scale
 
     def iteration_time(self, n_decode: int, decode_kv: int, prefill_tokens: int = 0, prefill_pairs: int = 0,
                        prefill_reads: int = 0, sampled: int | None = None) -> float:
         s = n_decode if sampled is None else sampled
+        k = self._scale()
         self._sink.append(Iteration(self._device, n_decode, decode_kv, prefill_tokens, prefill_pairs,
-                                    prefill_reads, s))
-        return self._cost.iteration_time(n_decode, decode_kv, prefill_tokens, prefill_pairs, prefill_reads, s)
+                                    prefill_reads, s, k))
+        return k * self._cost.iteration_time(n_decode, decode_kv, prefill_tokens, prefill_pairs, prefill_reads, s)
 
     def __getattr__(self, name: str):
         return getattr(self._cost, name)
@@ -81,6 +84,8 @@ class SimReplay:
             times = {"embed": cost.embed_time(t), "attn": attn, "mlp": cost.mlp_time(t)}
             if it.sampled:
                 times["head"] = cost.head_time(it.sampled)
+            if it.scale != 1.0:
+                times = {k: v * it.scale for k, v in times.items()}
             segs = names.get(it.device)
             if segs is None:
                 segs = names[it.device] = segment_names(cost.layers)
@@ -99,13 +104,15 @@ class SimReplay:
 
 def replay(cluster: ClusterConfig, tenants: TenantsConfig, requests: list[WorkloadRequest], *,
            cost_of: Callable[[str, str], ModelCost] | None = None, arrival_shift_s: float = 0.0,
-           delivery_s: float = 0.0, seed: int = 0) -> SimReplay:
+           delivery_s: float = 0.0, drift: dict[str, list[tuple[float, float]]] | None = None,
+           seed: int = 0) -> SimReplay:
     """Replay ``requests`` with the ``container`` policy on the tenants' home devices.
 
     ``cost_of(device_id, tenant)`` gives the cost model of a tenant's engine on a device (default: the shipped
     profile of the device's kind, uncorrected). ``arrival_shift_s`` delays every arrival (the request path
     from the client to the worker) and ``delivery_s`` is added to every first token (worker to client); both
-    are reported against the original arrival times.
+    are reported against the original arrival times. ``drift`` maps a device to change points (t, factor) of a
+    multiplier on its iteration times (t in seconds since arrival 0, the simulated clock's base).
     """
     from shared.policies import make_policy
     from shared.sim import SimConfig, Simulator
@@ -120,7 +127,10 @@ def replay(cluster: ClusterConfig, tenants: TenantsConfig, requests: list[Worklo
             if eng is not None:
                 cost = cost_of(dev.id, tenant) if cost_of else cost_for(models[tenant], dev.kind)
                 costs[dev.id] = cost
-                eng.cost = _RecordingCost(cost, dev.id, records)
+                points = (drift or {}).get(dev.id)
+                scale = (lambda: 1.0) if not points else \
+                    (lambda pts=points: value_at(pts, self.now) if self.now >= pts[0][0] else 1.0)
+                eng.cost = _RecordingCost(cost, dev.id, records, scale)
             return eng
 
     shifted = tuple(dataclasses.replace(r, arrival_s=r.arrival_s + arrival_shift_s) for r in requests)

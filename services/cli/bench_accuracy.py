@@ -1,11 +1,12 @@
 """``slicesched bench accuracy``: the simulator's prediction error against the real CPU mesh.
 
-Runs the real mesh (:mod:`services.cli.accuracy_mesh`) on two disjoint windows of a workload: a short
-*calibration* window, then the *measured* window. The measured window's arrivals are replayed in the simulator
+Runs the real mesh (:mod:`services.cli.accuracy_mesh`) on two phases: a short synthetic *calibration* load
+(:func:`calibration_requests`), then the *measured* arrivals (the first D seconds of a workload file). The
+measured arrivals are replayed in the simulator
 (:mod:`services.cli.accuracy_sim`) twice: with the shipped measured CPU profile as it is ("profile only"), and
 as the live simulator service runs it ("calibrated"): per-(device, segment kind) correction factors, the
 serving loop's per-step overhead and the request path's latency (client → worker, worker → client), all
-learned from the calibration window only. Errors (:mod:`shared.costmodel.accuracy`): per-segment latency MAPE
+learned from the calibration phase only. Errors (:mod:`shared.costmodel.accuracy`): per-segment latency MAPE
 against the mean of each (segment, tokens bucket), request TTFT/TPOT absolute percentage error, memory over
 time as a fraction of device capacity.
 """
@@ -32,8 +33,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster.yaml"), help="the mesh's cluster.yaml")
     p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"), help="the mesh's tenants.yaml")
     p.add_argument("--duration-s", type=float, default=30.0, help="measured window: arrivals in [0, D)")
-    p.add_argument("--calibration-s", type=float, default=15.0,
-                   help="calibration window: the arrivals in [D, D + C), replayed first (0: profile only)")
+    p.add_argument("--calibration-s", type=float, default=10.0,
+                   help="seconds of synthetic calibration traffic replayed first (0: profile only)")
     p.add_argument("--min-count", type=int, default=20,
                    help="segment buckets with fewer measured executions are left out of the segment MAPE")
     p.add_argument("--json", dest="json_out", default=None, help="write the errors and their detail here")
@@ -93,13 +94,28 @@ def path_latency(m) -> tuple[float, float]:
 
 
 def loop_overhead(m) -> dict[str, float]:
-    """Per device: seconds per iteration the worker spends outside the segments (busy time − segment time)."""
-    acc: dict[str, list[float]] = {}
+    """Per device: seconds per iteration the serving loop spends outside the segments while it has work.
+
+    The time with work is the union of the device's requests' [worker start, finish] intervals; what of it the
+    segments do not fill (the engine's step bookkeeping, the worker's hand-off to its compute thread, the
+    event loop between steps, waiting for a CPU), divided by the iterations run."""
+    active: dict[str, float] = {}
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for w in m.worker_requests:
+        spans.setdefault(w["device"], []).append((w["started"], w["finish"]))
+    for dev, iv in spans.items():
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(iv):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        active[dev] = total
+    seg: dict[str, list[float]] = {}
     for rep in m.reports:
-        a = acc.setdefault(rep["device"], [0.0, 0.0])
-        a[0] += rep["busy_ms"] - rep["segment_ms"]
+        a = seg.setdefault(rep["device"], [0.0, 0.0])
+        a[0] += rep["segment_ms"] / 1e3
         a[1] += rep["steps"]
-    return {d: max(0.0, ms / 1e3 / n) for d, (ms, n) in acc.items() if n}
+    return {d: max(0.0, (active[d] - s) / n) for d, (s, n) in seg.items() if n and d in active}
 
 
 def correction_factors(meas: dict[tuple, BucketStats], pred: dict[tuple, BucketStats]) -> dict[str, dict[str, float]]:
@@ -117,7 +133,29 @@ def correction_factors(meas: dict[tuple, BucketStats], pred: dict[tuple, BucketS
     out: dict[str, dict[str, float]] = {}
     for (dev, kind), n in num.items():
         if den[(dev, kind)] > 0:
-            out.setdefault(dev, {})[kind] = min(5.0, max(0.2, n / den[(dev, kind)]))
+            out.setdefault(dev, {})[kind] = n / den[(dev, kind)]
+    return out
+
+
+def drift(m, per_execution: dict[tuple, float], alpha: float = 0.3) -> dict[str, list[tuple[float, float]]]:
+    """Causal drift per device: after each step report, an EWMA of (measured segment time) / (predicted
+    segment time) over the report's executions, ``per_execution`` giving the predicted ms of one execution per
+    (device, segment kind, bucket). The factor at time t uses only reports that ended before t, as the live
+    simulator's correction does."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    state: dict[str, float] = {}
+    for rep in sorted(m.reports, key=lambda r: r["end"]):
+        dev, meas, pred = rep["device"], 0.0, 0.0
+        for seg, bucket, count, total in rep.get("segments", []):
+            p = per_execution.get((dev, seg.split("[")[0], bucket))
+            if p:
+                meas += total
+                pred += count * p
+        if pred <= 0:
+            continue
+        g = meas / pred if dev not in state else (1 - alpha) * state[dev] + alpha * meas / pred
+        state[dev] = g
+        out.setdefault(dev, []).append((rep["end"], g))
     return out
 
 
@@ -193,6 +231,13 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
 
         calibrated = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out)
         out["calibrated"] = evaluate(run, calibrated, min_count)
+        per_exec = {k: st.mean for k, st in calibrated.segment_predictions().items()}
+        trend = drift(run, per_exec)
+        online = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out,
+                        drift=trend)
+        out["online"] = evaluate(run, online, min_count)
+        out["online"]["drift"] = {d: {"mean": statistics.fmean(g for _, g in pts), "min": min(g for _, g in pts),
+                                      "max": max(g for _, g in pts)} for d, pts in trend.items()}
         out["calibration"] = {"requests": len(cal.requests), "correction_factors": factors,
                               "step_overhead_s": loop, "dispatch_s": d_in, "delivery_s": d_out,
                               "profile_step_overhead_s": {d: load_profile(k).step_overhead_s
@@ -204,29 +249,34 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
 
 
 # ---------------------------------------------------------------- the command
-def windows(workload_file: str, duration_s: float, calibration_s: float) -> tuple[Any, list, list]:
-    """(workload, measured arrivals in [0, D), calibration arrivals of [D, D + C) moved to start at 0).
+def calibration_requests(tenants, seconds: float, rate_rps: float = 2.0, seed: int = 12345) -> list:
+    """Synthetic calibration traffic: every tenant gets Poisson arrivals at ``rate_rps`` for ``seconds`` with
+    prompts of 16–256 and outputs of 8–64 tokens (uniform), so every device runs decode batches and prefills of
+    many sizes. Deterministic for a seed; never the measured arrivals."""
+    import random
 
-    When the workload file ends before D + C, the calibration window comes from the same file with the next
-    seed instead (other arrivals of the same shape)."""
+    from shared.workload import WorkloadRequest
+
+    rng = random.Random(seed)
+    out = []
+    for t in tenants.tenants:
+        at, n = rng.expovariate(rate_rps), 0
+        while at < seconds:
+            out.append(WorkloadRequest(f"cal-{t.name}-{n}", at, t.name, rng.randint(16, 256), rng.randint(8, 64)))
+            at += rng.expovariate(rate_rps)
+            n += 1
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def windows(workload_file: str, duration_s: float) -> tuple[Any, list]:
+    """(workload, its arrivals in [0, D))."""
     from services.cli.simulate import load_workload_file
-    from loadgen.workload import read_workload_spec, workload_from_spec
 
     w = load_workload_file(workload_file, None)
     evaluated = [r for r in w.requests if r.arrival_s < duration_s]
     if not evaluated:
         raise ConfigError(workload_file, "traces", f"no arrivals in the first {duration_s:g} s")
-    calib: list = []
-    if calibration_s > 0:
-        if duration_s + calibration_s <= (w.duration_s or 0):
-            calib = [dataclasses.replace(r, arrival_s=r.arrival_s - duration_s) for r in w.requests
-                     if duration_s <= r.arrival_s < duration_s + calibration_s]
-        if not calib:
-            spec = read_workload_spec(workload_file)
-            other = workload_from_spec(dataclasses.replace(spec, seed=spec.seed + 1))
-            calib = [r for r in other.requests if r.arrival_s < calibration_s]
-        calib = [dataclasses.replace(r, request_id=f"cal-{r.request_id}") for r in calib]
-    return w, evaluated, calib
+    return w, evaluated
 
 
 def _fmt(x: float | None) -> str:
@@ -234,7 +284,7 @@ def _fmt(x: float | None) -> str:
 
 
 def print_report(res: dict[str, Any]) -> None:
-    variants = [v for v in ("profile_only", "calibrated") if v in res]
+    variants = [v for v in ("profile_only", "calibrated", "online") if v in res]
     print("| error | target | " + " | ".join(v.replace("_", " ") for v in variants) + " |")
     print("|---|---|" + "---:|" * len(variants))
     for key, label, target in (("segment_mape", "per-segment latency MAPE", "≤ 10%"),
@@ -264,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cluster = load_cluster(args.cluster)
     tenants = load_tenants(args.tenants, cluster)
-    w, evaluated, calib = windows(args.workload, args.duration_s, args.calibration_s)
+    w, evaluated = windows(args.workload, args.duration_s)
+    calib = calibration_requests(tenants, args.calibration_s) if args.calibration_s > 0 else []
     missing = sorted({r.tenant for r in evaluated + calib} - set(tenants.names()))
     if missing:
         raise ConfigError(args.tenants, "tenants", f"the workload's tenant {missing[0]!r} is not served by this mesh")
@@ -287,7 +338,8 @@ def run(args: argparse.Namespace) -> int:
     res.update(workload=args.workload, duration_s=args.duration_s, calibration_s=args.calibration_s if calib else 0,
                requests=len(evaluated), machine=machine_description("cpu"),
                date=time.strftime("%Y-%m-%d", time.gmtime()), wall_s=time.perf_counter() - t0, mesh_s=mesh_s,
-               profile={"kind": prof.kind, "source": prof.source, "file": prof.file})
+               profile={"kind": prof.kind, "source": prof.source, "file": prof.file},
+               machine_load={k: {x: v.meta.get(x) for x in ("loadavg_1m", "machine_busy")} for k, v in phases.items()})
     print_report(res)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -56,15 +56,10 @@ class Peer:
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "services.cli.bench_guest_peer", *args], cwd=REPO,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        seen = []
-        for _ in range(200):  # skip the peer's log lines
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
-            if not line or line.startswith("READY"):
-                break
-            seen.append(line.rstrip())
-        if not line.startswith("READY"):
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]  # the peer logs to stderr
+        if not line.startswith("READY "):
             self.close()
-            raise RuntimeError("bench peer did not start:\n" + "\n".join(seen[-20:]))
+            raise RuntimeError(f"bench peer did not start: {line!r}")
         self.addr = line.split()[1]
 
     def close(self) -> None:

@@ -83,6 +83,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
+    import structlog
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries READY only
     ap = argparse.ArgumentParser(prog="python -m services.cli.bench_guest_peer")
     ap.add_argument("--mode", choices=("echo", "mlp"), default="echo")
     ap.add_argument("--server", choices=("thread", "asyncio"), default="thread")

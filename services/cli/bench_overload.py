@@ -103,7 +103,6 @@ class Bench:
         import redis.asyncio as aioredis
 
         from loadgen.replay import ReplayOptions, replay
-        from loadgen.report import summarize, violates
 
         reqs = arrivals(rate, duration_s, seed, self.tenant.name, self.args.prompt_tokens, self.args.output_tokens,
                         tag)
@@ -128,34 +127,8 @@ class Bench:
         unfinished = await self._wait_journeys(r, seen.accepted_ids)
         sampler_stop.set()
         await sampler
-        recs = res.records
-        summ = summarize(recs, self.sla, tenants=[self.tenant.name])
-        g = summ["total"]
-        accepted = [x for x in recs if x.http_status == 200]
-        sla = self.sla[self.tenant.name]
-        met = [x for x in accepted if x.status == "ok" and not violates(x, self.sla[self.tenant.name])]
-        client_lost = [x for x in accepted if x.status == "timeout" or x.error == "stream ended before [DONE]"]
-        steady = [x for x in recs if x.arrival_s >= settle_s and x.status != "cancelled"]
-        out: dict[str, Any] = {
-            "offered_rps": rate, "duration_s": duration_s, "sent": len(recs), "window_s": summ["duration_s"],
-            "accepted": len(accepted), "completed": g["completed"], "violation_rate": g["violation_rate"],
-            "steady_violation_rate": sum(violates(x, sla) for x in steady) / len(steady) if steady else 0.0,
-            "tokens_per_s": g["tokens_per_s"],
-            "goodput_tokens_per_s": sum(x.output_tokens for x in met) / summ["duration_s"] if summ["duration_s"]
-            else 0.0,
-            "rejected_429": seen.statuses[429], "retry_after_429": seen.retry_after_ok[429],
-            "rejected_503": seen.statuses[503], "retry_after_503": seen.retry_after_ok[503],
-            "other_errors": sum(n for st, n in seen.statuses.items() if st not in (200, 429, 503)),
-            "failed_after_accept": sum(1 for x in accepted if x.status != "ok"),
-            "accepted_ttft_s": g["ttft_s"], "accepted_e2e_s": g["e2e_s"], "accepted_tpot_s": g["tpot_s"],
-            "accepted_sla_attainment": len(met) / len(accepted) if accepted else None,
-            "accepted_over_ttft": sum(1 for x in accepted if x.ttft_s is not None and x.ttft_s > sla.ttft_s),
-            "accepted_over_tpot": sum(1 for x in accepted if x.tpot_s is not None and x.tpot_s > sla.tpot_s),
-            "lost": len({x.id for x in client_lost}) + len(unfinished), "lost_client": len(client_lost),
-            "lost_journey": unfinished, "max_send_lag_s": max((x.send_lag_s for x in recs), default=0.0),
-            "reject_reasons": dict(Counter(f"{x.http_status} {re.sub(r'[0-9.]+', 'N', x.error or '')[:70]}"
-                                           for x in recs if x.http_status in RETRY_STATUSES).most_common(4)),
-        }
+        out = phase_summary(res.records, seen, unfinished, self.tenant.name, self.sla[self.tenant.name], rate,
+                            duration_s, settle_s)
         if measure:
             out["peak_rss_mib"] = {name: _hwm_mib(pid) for name, pid in sorted(pids.items())}
             info = await r.info("memory")
@@ -241,6 +214,39 @@ class Bench:
             rate = (lo + hi) / 2
             lo, hi = (rate, hi) if self.probe(rate) else (lo, rate)
         return lo
+
+
+def phase_summary(recs, seen: Seen, unfinished: list[str], tenant: str, sla, rate: float, duration_s: float,
+                  settle_s: float) -> dict[str, Any]:
+    """The figures of one phase from the client's records, the response headers and the unfinished journeys."""
+    from loadgen.report import summarize, violates
+
+    summ = summarize(recs, {tenant: sla}, tenants=[tenant])
+    g, window = summ["total"], summ["duration_s"]
+    accepted = [x for x in recs if x.http_status == 200]
+    met = [x for x in accepted if x.status == "ok" and not violates(x, sla)]
+    client_lost = [x for x in accepted if x.status == "timeout" or x.error == "stream ended before [DONE]"]
+    steady = [x for x in recs if x.arrival_s >= settle_s and x.status != "cancelled"]
+    return {
+        "offered_rps": rate, "duration_s": duration_s, "sent": len(recs), "window_s": window,
+        "accepted": len(accepted), "completed": g["completed"], "violation_rate": g["violation_rate"],
+        "steady_violation_rate": sum(violates(x, sla) for x in steady) / len(steady) if steady else 0.0,
+        "tokens_per_s": g["tokens_per_s"],
+        "goodput_tokens_per_s": sum(x.output_tokens for x in met) / window if window else 0.0,
+        "rejected_429": seen.statuses[429], "retry_after_429": seen.retry_after_ok[429],
+        "rejected_503": seen.statuses[503], "retry_after_503": seen.retry_after_ok[503],
+        "other_errors": sum(n for st, n in seen.statuses.items() if st not in (200, 429, 503)),
+        "failed_after_accept": sum(1 for x in accepted if x.status != "ok"),
+        "accepted_ttft_s": g["ttft_s"], "accepted_e2e_s": g["e2e_s"], "accepted_tpot_s": g["tpot_s"],
+        "accepted_sla_attainment": len(met) / len(accepted) if accepted else None,
+        "accepted_over_ttft": sum(1 for x in accepted if x.ttft_s is not None and x.ttft_s > sla.ttft_s),
+        "accepted_over_tpot": sum(1 for x in accepted if x.tpot_s is not None and x.tpot_s > sla.tpot_s),
+        # client side (no [DONE], no error event) plus journey side (no terminal state in Redis): an upper bound
+        "lost": len(client_lost) + len(unfinished), "lost_client": len(client_lost), "lost_journey": unfinished,
+        "max_send_lag_s": max((x.send_lag_s for x in recs), default=0.0),
+        "reject_reasons": dict(Counter(f"{x.http_status} {re.sub(r'[0-9.]+', 'N', x.error or '')[:70]}"
+                                       for x in recs if x.http_status in RETRY_STATUSES).most_common(4)),
+    }
 
 
 def _reset_hwm(pid: int) -> None:

@@ -146,8 +146,8 @@ def _display(path: str) -> str:
 
 def run_sim(args: argparse.Namespace, out: Path, cmd: str) -> None:
     s = search_for(args, "sim")
-    for wl in _split(args.sim_workloads):
-        compare_part(wl, args.sim_cluster, _split(args.sim_policies), "sim", s, args.jobs,
+    for wl in map(_in_repo, _split(args.sim_workloads)):
+        compare_part(wl, _in_repo(args.sim_cluster), _split(args.sim_policies), "sim", s, args.jobs,
                      out / f"sim-{Path(wl).stem}.json", cmd, args.quick)
 
 
@@ -155,7 +155,7 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
     """container vs slice on one mesh (recording slice's busy-time timeline); for the emulated mesh also the
     simulator's prediction for the same workload and cluster, with the same search settings."""
     from services.results.timeline import TimelineRecorder
-    wl, cluster = EMULATED if fidelity == "emulated" else REAL
+    wl, cluster = map(_in_repo, EMULATED if fidelity == "emulated" else REAL)
     s = search_for(args, "mesh")
     rec = TimelineRecorder(("slice",))
     res = compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"{fidelity}.json", cmd, args.quick,
@@ -163,7 +163,9 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
     tl = rec.pick("slice", res["policies"]["slice"]["max_scale_9"] or None)
     if tl is not None:
         _save(out / f"{fidelity}-timeline.json", dict(tl, meta=dict(res["meta"], wall_s=None)))
-    else:
+    else:  # never leave an older run's timeline beside this run's numbers
+        (out / f"{fidelity}-timeline.json").unlink(missing_ok=True)
+        (out / f"{fidelity}-timeline.png").unlink(missing_ok=True)
         print(f"slicesched bench results: no {fidelity} timeline was recorded", file=sys.stderr)
     if fidelity == "emulated":
         compare_part(wl, cluster, list(MESH_POLICIES), "sim", s, args.jobs, out / "emulated-prediction.json", cmd,
@@ -172,6 +174,13 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
 
 def _split(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _in_repo(path: str) -> str:
+    """A relative config path that is not found from here is taken from the repository root."""
+    from services.results.meta import REPO
+    p = Path(path)
+    return str(REPO / p) if not p.is_absolute() and not p.exists() and (REPO / p).exists() else path
 
 
 def render(out: Path, md: Path, readme: Path | None, cmd: str | None) -> None:
@@ -197,7 +206,7 @@ def _validate(args: argparse.Namespace, parts: list[str]) -> None:
                                                                             f"{', '.join(POLICIES.names())}")
         todo += [(w, args.sim_cluster) for w in _split(args.sim_workloads)]
     todo += [EMULATED] * ("emulated" in parts) + [REAL] * ("real" in parts)
-    for wl, cluster in todo:
+    for wl, cluster in ((_in_repo(w), _in_repo(c)) for w, c in todo):
         load_cluster(cluster)
         if not Path(wl).is_file():
             raise ConfigError(wl, "(file)", "workload file not found")

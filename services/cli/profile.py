@@ -81,18 +81,21 @@ def _base_profile(kind: str):
         return load_profile("cpu")
 
 
+DISPLAY_GROUPS = (16, 64, 256, 1024)  # token ranges of the printed summary (the profile's buckets are finer)
+
+
 def summarize_errors(rows: list[tuple[Any, Any, float, float]]) -> list[dict[str, Any]]:
-    """Group (config, measurement, predicted ms, error) rows by operator and size bucket."""
-    from shared.costmodel.fitting import BUCKETS
+    """Group (config, measurement, predicted ms, error) rows by operator and token range."""
     import bisect
+    bounds = DISPLAY_GROUPS
     groups: dict[tuple[str, str], list[float]] = defaultdict(list)
     for _, m, _, err in rows:
         c = m.case
         op = c.kind if c.kind != "attn" else ("attn decode" if not c.prefill else
                                                 "attn prefill" if not c.decode_ctx else "attn mixed")
-        b = bisect.bisect_left(BUCKETS, c.tokens)
-        lo = 1 if b == 0 else BUCKETS[b - 1] + 1
-        rng = f"{lo}-{BUCKETS[b]}" if b < len(BUCKETS) else f">{BUCKETS[-1]}"
+        b = bisect.bisect_left(bounds, c.tokens)
+        lo = 1 if b == 0 else bounds[b - 1] + 1
+        rng = f"{lo}-{bounds[b]}" if b < len(bounds) else f">{bounds[-1]}"
         groups[(op, rng)].append(abs(err))
     return [{"operator": op, "tokens": rng, "cases": len(v), "mape": sum(v) / len(v), "worst": max(v)}
             for (op, rng), v in groups.items()]
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda: no CUDA device is available on this machine")
-    from shared.costmodel.fitting import build_profile, fit_rates, prediction_errors, write_profile
+    from shared.costmodel.fitting import STARTS, build_profile, fit_rates, prediction_errors, write_profile
     from shared.costmodel.profiling import SegmentBench, default_cases, measure, measure_peaks, measure_step_overhead
 
     if args.device == "cpu":
@@ -133,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"measuring {n_cases} shapes of {', '.join(models)} on {args.device} for ~{budget:.0f} s ...", file=sys.stderr)
     data = [(c, m) for name, c in zip(models, cfgs)
             for m in measure(benches[name], cases[name], budget / len(models), seed=args.seed)]
-    fit = fit_rates(data, peak_flops=peak_flops, mem_bandwidth=bandwidth, per_class_launch=True)
+    fit = fit_rates(data, peak_flops=peak_flops, mem_bandwidth=bandwidth, per_class_launch=True,
+                    starts=STARTS[::4] if args.quick else STARTS)
     base = _base_profile(kind)
     memory = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else base.memory_bytes
     profile = build_profile(fit, kind=kind, peak_flops=peak_flops, mem_bandwidth=bandwidth, memory_bytes=memory,
@@ -160,8 +164,9 @@ def run(args: argparse.Namespace) -> int:
     meta = {"date": date, "machine": machine, "torch": tv, "threads": threads, "models": models,
             "fit": {"log_rms": round(fit.log_rms, 4), "validation_mape": round(mape, 4), "shapes": len(rows)}}
     header = (f"Measured by `{command}` on {date}.\n"
-              f"{machine}; torch {tv}, {threads} thread(s). Means of interleaved calls of the real "
-              "segment code,\nfitted per (operator class, size bucket); peaks are the fastest GEMM and copy "
+              f"{machine}; torch {tv}, {threads} thread(s). The real segment code timed on the "
+              f"{'thread CPU-time' if args.device == 'cpu' else 'synchronised wall'} clock\n(mean of "
+              "uninterrupted calls in interleaved rounds), fitted per (operator class, size bucket); peaks are the fastest GEMM and copy "
               "measured (small sizes stay in cache).\nLinks and memory_bytes are not measured here (kept from "
               "the previous profile).")
     out = Path(args.out or f"profile-{kind}.yaml")

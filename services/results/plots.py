@@ -41,7 +41,7 @@ def plot_timeline(tl: Mapping[str, Any], path: str | Path, title: str) -> Path:
     guests = sorted({x[3] for x in tl["guest"]} | {x[3] for x in tl["guest_segments"]} | {x[2] for x in tl["leases"]})
     cmap = plt.get_cmap("tab10")
     colors = {tn: cmap((i + 1) % 10) for i, tn in enumerate(guests)}
-    fig, ax = plt.subplots(figsize=(10, 0.55 * len(devices) + 1.8))
+    fig, ax = plt.subplots(figsize=(11, max(2.4, 0.5 * len(devices) + 1.4)))
     for dev in devices:
         y = row[dev]
         own = [(a, b - a) for d, a, b, _ in tl["own"] if d == dev]
@@ -65,8 +65,7 @@ def plot_timeline(tl: Mapping[str, Any], path: str | Path, title: str) -> Path:
         handles += [plt.Rectangle((0, 0), 1, 1, color=colors[tn]),
                     plt.Rectangle((0, 0), 1, 1, color=colors[tn], alpha=LEASE_ALPHA)]
         labels += [f"guest work: {tn}", f"lease window: {tn}"]
-    ax.legend(handles, labels, fontsize=7, ncol=min(4, len(labels)), loc="upper center",
-              bbox_to_anchor=(0.5, -0.5 if len(devices) < 4 else -0.18), frameon=False)
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     out = Path(path)

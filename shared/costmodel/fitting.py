@@ -24,7 +24,7 @@ from shared.costmodel.profiling import Case, Measurement
 from shared.model.config import ModelConfig
 from shared.model.graph import ModelGraph
 
-BUCKETS = (16, 64, 256, 1024)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # powers of two, as the workers bucket statistics
 STARTS = tuple((launch, ce, me) for launch in (1e-6, 1e-5, 5e-5) for ce in (0.1, 0.5) for me in (0.02, 0.3))
 MIN_EFF = 1e-4
 
@@ -150,9 +150,18 @@ def fit_rates(data: Sequence[tuple[ModelConfig, Measurement]], *, peak_flops: fl
 
     The roofline's max() makes the problem non-convex: the fit runs from each of ``starts`` (launch seconds,
     compute and memory efficiency everywhere) and keeps the best."""
+    from threadpoolctl import threadpool_limits
+
     pr = _Problem(data, buckets, per_class_launch)
     if pr.n == 0:
         raise ValueError("no measurements to fit")
+    # the systems are ~100 x 100: a threaded BLAS only thrashes (40x slower on a loaded 2-core machine)
+    with threadpool_limits(1):
+        return _fit(pr, peak_flops, mem_bandwidth, smooth, max_iter, starts)
+
+
+def _fit(pr: _Problem, peak_flops: float, mem_bandwidth: float, smooth: float, max_iter: int,
+         starts: Sequence[tuple[float, float, float]]) -> FitResult:
     D = _smoothness(pr.nc, pr.nb, pr.nparams) * np.sqrt(smooth)
     log_y = np.log(pr.y)
     best = None
@@ -196,7 +205,7 @@ def fit_rates(data: Sequence[tuple[ModelConfig, Measurement]], *, peak_flops: fl
     rc = np.exp(theta[:cells]).reshape(pr.nc, pr.nb)
     rm = np.exp(theta[cells:2 * cells]).reshape(pr.nc, pr.nb)
     launch = np.exp(theta[2 * cells:])
-    launch = launch if per_class_launch else np.full(pr.nc, launch[0])
+    launch = launch if pr.per_class_launch else np.full(pr.nc, launch[0])
     _fill_unobserved(rc, pr.observed & pr.uses_compute)
     _fill_unobserved(rm, pr.observed)
     r = np.log(pred) - log_y

@@ -143,7 +143,7 @@ def default_cases(cfg: ModelConfig, quick: bool = False, max_tokens: int = 2048)
         lo = max(1, ctx // 2)
         return tuple(ctx - (i * (ctx - lo)) // max(1, d - 1) for i in range(d)) if d > 1 else (ctx,)
 
-    decodes = [1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128]
+    decodes = [1, 4, 16, 64] if quick else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128]
     contexts = [32, 320] if quick else [16, 64, 160, 320, 640, 1280]
     for d in decodes:
         for ctx in contexts:

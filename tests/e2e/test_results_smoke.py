@@ -16,8 +16,6 @@ import yaml
 from services.cli.main import main
 from services.results.render import BEGIN, END
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture()
 def small(tmp_path) -> Path:

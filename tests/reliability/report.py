@@ -57,6 +57,31 @@ ELSEWHERE = {
     "22": ("Sentinel failover", "not applicable: no Sentinel in this deployment"),
 }
 HEADLINE_ROWS = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "13"}
+FINDINGS = """## What the rows found, and what changed
+
+- Row 2 (stalled worker): the scheduler fails the requests of a worker silent for 3 s, but the worker, once
+  resumed, still published their final chunks: two terminal results for one request on the tokens stream. Now the
+  single move of a request to a terminal state is claimed with one Lua script on its `req:{id}` hash
+  (`TerminalFence` in `shared/requests_state.py`); only the claimant publishes the result (worker final chunks and
+  errors, scheduler failures, deadlines, poison entries). Late chunks of a fenced request are dropped by the gateway
+  (unknown request) and counted by `slicesched_worker_fenced_results_total` when final.
+- Row 6 (Redis killed): a Redis error inside the worker's compute loop ended the loop, so the worker stopped and was
+  restarted (its in-flight requests failed); a failed token publish dropped that step's chunks and never ended the
+  finished requests (hung until the gateway's idle timeout, KV never released). Now the worker retries publishing
+  and ending a request (every step idempotent) and treats `RequestStarted` as best effort.
+- Row 6 with AOF off: Redis restarts empty. The GMG registers the cluster again, workers reserve their weights
+  again when the reservation is gone, and the scheduler ends assignments whose request hash vanished with a
+  retryable 503 `state_lost` instead of keeping them forever (their clients used to get the 60 s idle timeout).
+- Row 4 (GMG killed): the scheduler judged devices only by the heartbeat the GMG relays, so a GMG restart longer than
+  3 s failed healthy workers' requests; it now also counts heartbeats it reads itself on the events stream.
+- Row 13 (duplicate XADD): the second copy of a queued request stayed pending until the 60 s reclaim; copies are
+  now acknowledged at once (only the scheduler's own entry, when re-delivered, stays pending).
+- Row 18 (engine exception): a failing step failed every request in the engine, waiting ones included; now only
+  the batch that ran. A poison request still takes its whole batch down (see `collateral_failures`): isolating it
+  needs the engine to retry a failed step on part of the batch.
+- Not changed: worker streams (`worker:{device}`) are never trimmed, because workers run no trim loop (acked
+  entries accumulate, e.g. one per request); the stream reclaim idle time (60 s) is longer than any generation these
+  runs produce (row 3 checks the 3 s heartbeat detector instead)."""
 
 
 def _fmt(v) -> str:
@@ -156,7 +181,7 @@ def render(rows: list[dict]) -> str:
                 http[code] += n
         if http:
             out.append("\nHTTP errors (all runs): " + ", ".join(f"{c} x{n}" for c, n in sorted(http.items())))
-    out.append("")
+    out += ["", FINDINGS, ""]
     return "\n".join(out)
 
 

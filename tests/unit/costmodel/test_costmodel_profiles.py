@@ -27,8 +27,9 @@ def test_datasheet_ordering():
     assert h2.memory_bytes > h.memory_bytes
 
 
-def test_cpu_profile_is_a_placeholder():
-    assert "uncalibrated" in load_profile("cpu").source
+def test_cpu_profile_is_measured():
+    p = load_profile("cpu")
+    assert p.source == "measured" and p.calibrated
 
 
 def test_unknown_kind_lists_valid():

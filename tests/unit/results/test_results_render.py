@@ -59,7 +59,8 @@ def test_render_only_writes_pages_and_figures(out, tmp_path):
                    "2026-01-02", "slicesched bench compare --workload configs/workloads/azure-16mix-a1.3.yaml",
                    "| slice | 8 | 8000.0 | 2.00 | 80.0% |", "| ≤9% | 1.40 | 1.20 | 16.7% | yes |",
                    "first 600 s of the workload (of 3600 s)", "**shortened trace**", "**quick smoke settings**",
-                   "](results/sim-azure-16mix-a1.3.png)", "](results/real-timeline.png)", "| cpu1 (tiny-b) | 0.10 | 0.72 |"):
+                   "](results/sim-azure-16mix-a1.3.png)", "](results/real-timeline.png)",
+                   "| cpu1 (tiny-b) | 0.10 | 0.72 |"):
         assert needle in text, needle
     assert "1.20× — **no**" in text  # real target missed, said so
     assert "_No emulated mesh timeline recorded._" in text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -292,7 +293,7 @@ def parse_tenants(data: Any, file: str | Path = "<memory>", cluster: ClusterConf
                 raise ConfigError(file, f"{path}.api_keys[{j}]", "an API key must be a string of at least 8 characters")
             hashes.append(hash_api_key(k))
         for j, h in enumerate(_req(t, "api_key_hashes", file, path, list, default=[]) or []):
-            if not isinstance(h, str) or not h.startswith("sha256:") or len(h) != 71:
+            if not isinstance(h, str) or not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", h):
                 raise ConfigError(file, f"{path}.api_key_hashes[{j}]", "expected 'sha256:' followed by 64 hex digits")
             hashes.append(h.lower())
         for h in hashes:
@@ -338,6 +339,7 @@ class Settings:
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
     metrics_port: int = 0  # services other than the gateway serve /metrics + /health here (0 = pick free)
+    metrics_host: str = "127.0.0.1"  # loopback unless SLICESCHED_METRICS_HOST (or a non-loopback gateway host) says so
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -350,6 +352,9 @@ class Settings:
             mport = int(e.get("SLICESCHED_METRICS_PORT", "0"))
         except ValueError as ex:
             raise ConfigError("environment", "SLICESCHED_GATEWAY_PORT", str(ex)) from None
+        gw_host = e.get("SLICESCHED_GATEWAY_HOST", "127.0.0.1")
+        metrics_host = e.get("SLICESCHED_METRICS_HOST") or (
+            "127.0.0.1" if gw_host in ("127.0.0.1", "localhost", "::1") else gw_host)
         prefix = e.get("SLICESCHED_PREFIX", "slicesched:")
         if not prefix.endswith(":"):
             prefix += ":"
@@ -357,4 +362,4 @@ class Settings:
                    cluster_file=e.get("SLICESCHED_CLUSTER", str(REPO_CONFIGS / "cluster.yaml")),
                    tenants_file=e.get("SLICESCHED_TENANTS", str(REPO_CONFIGS / "tenants.yaml")),
                    log_format=e.get("SLICESCHED_LOG_FORMAT", "auto"), log_level=e.get("SLICESCHED_LOG_LEVEL", "info"),
-                   gateway_host=e.get("SLICESCHED_GATEWAY_HOST", "127.0.0.1"), gateway_port=port, metrics_port=mport)
+                   gateway_host=gw_host, gateway_port=port, metrics_port=mport, metrics_host=metrics_host)

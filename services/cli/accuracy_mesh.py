@@ -125,8 +125,7 @@ def split_phase(events: list, t0_ts: float, since_ts: float, until_ts: float) ->
                 seg_ms += st.total_ms
             reports.append({"device": msg.device, "start": msg.window_start_ts - t0_ts,
                             "end": msg.window_end_ts - t0_ts, "steps": msg.steps, "busy_ms": msg.busy_ms,
-                            "segment_ms": seg_ms, "segments": segs,
-                            "intervals": [[a - t0_ts, b - t0_ts] for a, b in msg.busy_intervals]})
+                            "segment_ms": seg_ms, "segments": segs})
         elif isinstance(msg, RequestFinished) and since_ts <= msg.ts < until_ts:
             started = msg.ts - msg.e2e_ms / 1e3
             finished.append({"device": msg.device, "tenant": msg.tenant, "outcome": msg.outcome,

@@ -223,6 +223,7 @@ def bench_steps(presets: list[str], batches: list[int], steps: int, prefill: int
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the selected parts; print one JSON line per result; optionally write them all to ``--json``."""
     rows = _ints(args.rpc_rows, "--rpc-rows")
     batches = _ints(args.batches, "--batches")
     presets = [p for p in args.presets.split(",") if p]

@@ -39,6 +39,7 @@ class Echo:
 
 
 def make_transport(backend: str):
+    """The guest side of the tensor transport for ``--backend``."""
     if backend == "shm":
         from shared.transport import ShmTransport
         return ShmTransport(GUEST)
@@ -49,6 +50,7 @@ def make_transport(backend: str):
 
 
 async def serve(args: argparse.Namespace) -> None:
+    """Start the transport and the server, print READY, serve until stdin closes."""
     torch.set_num_threads(1)
     loop = asyncio.get_running_loop()
     transport = make_transport(args.backend)

@@ -44,6 +44,8 @@ class SchedulerService:
         self.shell = ServiceShell("scheduler", name, prefix=self.p, redis=self.redis)
         self.devices: dict[str, DeviceView] = {}
         self._hb_seen: dict[str, float] = {}  # device -> newest WorkerHeartbeat.ts read from the events stream
+        self._placing: str | None = None  # request being placed (its awaits let a cancel arrive mid-way)
+        self._late_cancels: dict[str, CancelRequest] = {}
         self.assigned: dict[str, tuple[str, InferenceRequest, str]] = {}  # request_id -> (device, req, worker_id)
         self.wake = asyncio.Event()
         self._blocking: list = []
@@ -69,7 +71,7 @@ class SchedulerService:
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         self.shell.install_signal_handlers()
-        await self.shell.serve_http("127.0.0.1" if self.s.gateway_host == "127.0.0.1" else "0.0.0.0",
+        await self.shell.serve_http(self.s.metrics_host,
                                     self.s.metrics_port)
         log.info("metrics_listening", port=self.shell.port)
         await self._wait_redis()
@@ -147,6 +149,9 @@ class SchedulerService:
         return DEFER  # acked once placed (or failed): a crash here loses nothing
 
     async def _cancel(self, msg: CancelRequest) -> None:
+        if msg.request_id == self._placing:  # mid-placement: applied once the placement has committed or given up
+            self._late_cancels[msg.request_id] = msg
+            return
         p = self.core.queues.pop(msg.tenant, msg.request_id) if msg.tenant in self.core.queues.bounds else None
         if p is not None:
             await self._set_state(msg.request_id, "cancelled")
@@ -191,6 +196,17 @@ class SchedulerService:
         return self.snapshots.build(time.time(), self.devices, self.rows, self.assigned, self.lease_mgr.active)
 
     async def _place(self, p: Pending) -> bool:
+        self._placing = p.req.request_id
+        try:
+            placed = await self._place_on_device(p)
+        finally:
+            self._placing = None
+        late = self._late_cancels.pop(p.req.request_id, None)
+        if late is not None:  # the request is now either still queued or assigned: cancel it there
+            await self._cancel(late)
+        return placed
+
+    async def _place_on_device(self, p: Pending) -> bool:
         t0 = time.perf_counter()
         snap = self.snapshot()
         dev = self.core.policy.route(p.req.tenant, len(p.req.prompt_ids), p.req.max_tokens, snap)

@@ -64,7 +64,7 @@ class SimulatorService:
     async def run(self, *, serve_http: bool = True) -> None:
         self.shell.install_signal_handlers()
         if serve_http:
-            await self.shell.serve_http("127.0.0.1" if self.s.gateway_host == "127.0.0.1" else "0.0.0.0",
+            await self.shell.serve_http(self.s.metrics_host,
                                         self.s.metrics_port)
             log.info("metrics_listening", port=self.shell.port)
         hb = asyncio.ensure_future(self.shell.heartbeat_loop())

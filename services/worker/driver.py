@@ -160,6 +160,7 @@ class HomeWeights:
         self._lock = threading.Lock()
 
     def allow(self, lease: LeaseGranted) -> None:
+        """Let the lease's guest fetch its segments (until ``keep_s`` after the window)."""
         with self._lock:
             self._leases[lease.lease_id] = (lease.guest_device, frozenset(lease.segments), lease.end_ts)
             now = time.time()
@@ -167,6 +168,7 @@ class HomeWeights:
                 del self._leases[lid]
 
     def handle(self, q: WeightsQuery) -> Reply:
+        """One frame per tensor of the segment, or one refusal."""
         with self._lock:
             known = self._leases.get(q.lease_id)
         if q.tenant != self.tenant:

@@ -56,6 +56,7 @@ class EmulatedLeaseAgent:
         await stop.wait()
 
     async def on_message(self, msg: LeaseGranted | LeaseRevoked) -> None:
+        """Record a lease this device drives or hosts, or its end."""
         me = self.device.id
         if isinstance(msg, LeaseGranted):
             if msg.mode != "segments":
@@ -129,6 +130,7 @@ class EmulatedLeaseAgent:
         return timing.total_s
 
     def health_fields(self) -> dict:
+        """Lease state for the health hash, labelled emulated."""
         now = self.clock()
         return {
             "leases_driver": ",".join(f"{k}:{'active' if v.live(now) else 'ended'}" for k, v in self.driving.items()),

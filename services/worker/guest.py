@@ -130,6 +130,7 @@ class GuestHost:
         return lease
 
     def revoke(self, lease_id: str, reason: str = "") -> None:
+        """Stop serving a lease: a running call finishes, later ones are refused."""
         with self._lock:
             lease = self.leases.get(lease_id)
         if lease is not None and lease.state != "ended":
@@ -144,6 +145,7 @@ class GuestHost:
             self.revoke(lid, "worker_stopping")
 
     def expire(self) -> None:
+        """End leases whose window is over."""
         now = self.clock()
         for lease in list(self.leases.values()):
             if lease.state in ("staging", "ready") and now >= lease.end_ts:
@@ -188,6 +190,7 @@ class GuestHost:
 
     # ---------------------------------------------------------------- requests
     def handle(self, msg, payload: bytearray) -> Reply:
+        """Segment calls and lease status queries (the segment server's handler)."""
         if isinstance(msg, SegmentCall):
             return [self._call(msg, payload)]
         if isinstance(msg, LeaseStatusQuery):

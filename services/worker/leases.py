@@ -56,6 +56,8 @@ class LeaseOptions:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "LeaseOptions":
+        """Options from ``SLICESCHED_SEGMENT_*`` / ``SLICESCHED_LEASE_*`` / ``SLICESCHED_GUEST_CACHE_MB``;
+        ``ValueError`` on a malformed number."""
         e = os.environ if env is None else env
         d = DriverOptions()
         drv = DriverOptions(micro_batches=int(e.get("SLICESCHED_LEASE_MICRO_BATCHES", d.micro_batches)),
@@ -127,6 +129,7 @@ class LeaseAgent:
             return None
 
     async def close(self) -> None:
+        """End every lease on this worker, close connections, the server and the transport."""
         for t in self._tasks.values():
             t.cancel()
         for link in self.links.values():
@@ -150,6 +153,7 @@ class LeaseAgent:
 
     # ---------------------------------------------------------------- messages
     async def on_message(self, msg: LeaseGranted | LeaseRevoked) -> None:
+        """Take up or end this device's role(s) in a lease (``segments`` mode; other modes are left alone)."""
         me = self.device.id
         if isinstance(msg, LeaseGranted):
             if msg.mode != "segments":

@@ -61,6 +61,7 @@ class TensorMover:
 
     def unpack(self, shape: list[int], dtype: str, handle: TensorHandle | None, payload: bytearray,
                device: torch.device | str = "cpu", timeout_s: float | None = None) -> torch.Tensor:
+        """The tensor of a frame: its inline payload, or fetched over the transport by its handle."""
         if handle is None:
             return payload_tensor(payload, shape, dtype, device)
         if self.transport is None or self.loop is None:
@@ -237,6 +238,7 @@ class SegmentClient:
         return self.read_other(time.monotonic() + timeout_s)
 
     def read_other(self, deadline: float) -> tuple[SegmentFrame, bytearray]:
+        """The next frame that is not a segment result (those are only read by ``result``)."""
         while True:
             reply, payload = self._reader.read(deadline)
             if not isinstance(reply, SegmentResult):

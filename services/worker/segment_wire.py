@@ -52,10 +52,14 @@ class SegmentResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class LeaseStatusQuery(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The driver asks whether the guest has staged a lease's segments."""
+
     lease_id: str
 
 
 class LeaseStatusReply(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The guest's view of a lease."""
+
     lease_id: str
     state: str  # unknown | staging | ready | ended | failed
     staged: list[str] = []
@@ -93,10 +97,12 @@ class FrameError(ConnectionError):
 
 
 def encode_header(msg: SegmentFrame) -> bytes:
+    """MessagePack of a frame header."""
     return _encoder.encode(msg)
 
 
 def decode_header(data: bytes) -> SegmentFrame:
+    """Validate and decode a frame header; ``FrameError`` for anything malformed."""
     try:
         return _decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -208,4 +214,5 @@ def connect(addr: str, timeout_s: float = 2.0) -> socket.socket:
 
 
 def wire_dtype(t: torch.Tensor) -> str:
+    """The dtype name frames carry."""
     return dtype_name(t.dtype)

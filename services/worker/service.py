@@ -71,7 +71,7 @@ class WorkerService:
     # ------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         self.shell.install_signal_handlers()
-        await self.shell.serve_http("127.0.0.1" if self.s.gateway_host == "127.0.0.1" else "0.0.0.0",
+        await self.shell.serve_http(self.s.metrics_host,
                                     self.s.metrics_port)
         log.info("metrics_listening", port=self.shell.port)
         await self._reserve_weights()
@@ -135,7 +135,9 @@ class WorkerService:
         if isinstance(msg, AssignRequest):
             rid = msg.request.request_id
             if rid in self.tracker.items:
-                return DEFER  # re-delivered while running
+                # our entry re-delivered stays pending (acked when the request ends); a second assignment of a
+                # running request (a retried XADD) is acked at once
+                return DEFER if self.tracker.items[rid].entry_id == d.entry_id else ACK
             state = await self.redis.hget(req_key(self.p, rid), "state")
             if state is not None and state.decode() in TERMINAL_STATES:
                 return ACK  # failed/cancelled while we were away: fenced

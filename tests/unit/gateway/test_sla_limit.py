@@ -115,3 +115,19 @@ def test_sla_fraction_from_env():
     for bad in ("-1", "nan", "x"):
         with pytest.raises(ConfigError, match="SLICESCHED_ADMIT_SLA_FRACTION"):
             GatewayLimits.from_env({"SLICESCHED_ADMIT_SLA_FRACTION": bad})
+
+
+def test_router_feeds_chunks_in_order_and_only_the_owners():
+    from services.gateway.tokens import TokenRouter
+    from shared.messages import TokenChunk
+
+    def chunk(seq, tenant="t", finish=None):
+        return TokenChunk(msg_id=f"c{seq}{tenant}", request_id="r1", tenant=tenant, seq=seq, token_ids=[seq],
+                          text="x", finish_reason=finish, completion_tokens=seq + 1)
+
+    seen = []
+    r = TokenRouter(cmd=None, blocking=None, stream="s")
+    r.register("r1", "t", on_chunk=lambda c: seen.append(c.seq))
+    for c in (chunk(1), chunk(0, tenant="other"), chunk(0), chunk(2, finish="length"), chunk(1)):
+        r.dispatch(c)
+    assert seen == [0, 1, 2]  # reordered, the foreign chunk and the duplicate never reach the admission

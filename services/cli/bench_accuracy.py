@@ -2,13 +2,17 @@
 
 Runs the real mesh (:mod:`services.cli.accuracy_mesh`) on two phases: a short synthetic *calibration* load
 (:func:`calibration_requests`), then the *measured* arrivals (the first D seconds of a workload file). The
-measured arrivals are replayed in the simulator
-(:mod:`services.cli.accuracy_sim`) twice: with the shipped measured CPU profile as it is ("profile only"), and
-as the live simulator service runs it ("calibrated"): per-(device, segment kind) correction factors, the
-serving loop's per-step overhead and the request path's latency (client → worker, worker → client), all
-learned from the calibration phase only. Errors (:mod:`shared.costmodel.accuracy`): per-segment latency MAPE
-against the mean of each (segment, tokens bucket), request TTFT/TPOT absolute percentage error, memory over
-time as a fraction of device capacity.
+measured arrivals are replayed in the simulator (:mod:`services.cli.accuracy_sim`) three ways:
+
+* ``profile_only``: the shipped measured CPU profile as it is (what an offline ``slicesched simulate`` uses);
+* ``calibrated`` (the headline): as the live simulator service runs it, with per-(device, segment kind)
+  correction factors, the serving loop's per-iteration overhead and the request path's latency (client →
+  worker, worker → client), all learned from the calibration phase only;
+* ``online``: ``calibrated`` plus a causal drift factor per device, an EWMA of measured / predicted segment time
+  over the step reports that ended before each moment (what a live twin following the events stream knows).
+
+Errors (:mod:`shared.costmodel.accuracy`): per-segment latency MAPE against the mean of each (segment, tokens
+bucket), request TTFT/TPOT absolute percentage error, memory over time as a fraction of device capacity.
 """
 from __future__ import annotations
 
@@ -177,8 +181,13 @@ def evaluate(m, rep, min_count: int) -> dict[str, Any]:
             tpot.append((p[1], r["tpot_s"]))
             sim_tpot.append(p[1])
             real_tpot.append(r["tpot_s"])
-    mem = {d: memory_timeline_error(rep.memory.get(d, []), pts, m.capacity_bytes.get(d) or rep.capacity[d])
-           for d, pts in m.memory.items() if pts}
+    mem, weights_only = {}, {}
+    for d, pts in m.memory.items():
+        if pts and d in rep.memory:
+            cap = m.capacity_bytes.get(d) or rep.capacity[d]
+            mem[d] = memory_timeline_error(rep.memory[d], pts, cap)
+            # what a prediction of weights alone (no KV at all) would score: how much KV there was to predict
+            weights_only[d] = memory_timeline_error(rep.memory[d][:1], pts, cap)["mean"]
     t_q, p_q = ape_quantiles(ttft), ape_quantiles(tpot)
     mem_mean = statistics.fmean(v["mean"] for v in mem.values()) if mem else float("nan")
     return {"segment_mape": seg["mape"], "ttft_median_ape": t_q["p50"], "tpot_median_ape": p_q["p50"],
@@ -190,8 +199,8 @@ def evaluate(m, rep, min_count: int) -> dict[str, Any]:
                          "measured_ms": _q(real_ttft), "predicted_ms": _q(sim_ttft)},
                 "tpot": {"requests": len(tpot), "ape": p_q, "quantile_error": quantile_errors(sim_tpot, real_tpot),
                          "measured_ms": _q(real_tpot), "predicted_ms": _q(sim_tpot)},
-                "memory": {"per_device": mem,
-                           "max": max((v["max"] for v in mem.values()), default=float("nan"))}}}
+                "memory": {"per_device": mem, "max": max((v["max"] for v in mem.values()), default=float("nan")),
+                           "weights_only_baseline": weights_only}}}
 
 
 def _row(r: dict) -> dict:
@@ -268,7 +277,7 @@ def calibration_requests(tenants, seconds: float, rate_rps: float = 2.0, seed: i
     return sorted(out, key=lambda r: r.arrival_s)
 
 
-def windows(workload_file: str, duration_s: float) -> tuple[Any, list]:
+def measured_arrivals(workload_file: str, duration_s: float) -> tuple[Any, list]:
     """(workload, its arrivals in [0, D))."""
     from services.cli.simulate import load_workload_file
 
@@ -309,20 +318,28 @@ def run(args: argparse.Namespace) -> int:
     from services.cli.profile import machine_description
     from shared.costmodel import load_profile
 
-    if args.duration_s <= 0 or args.calibration_s < 0:
-        print("slicesched bench accuracy: --duration-s must be positive and --calibration-s >= 0", file=sys.stderr)
+    if args.duration_s <= 0 or args.calibration_s < 0 or args.min_count < 1:
+        print("slicesched bench accuracy: --duration-s must be positive, --calibration-s >= 0 and --min-count >= 1",
+              file=sys.stderr)
         return 2
+    if args.from_raw and not Path(args.from_raw).is_file():
+        raise ConfigError(args.from_raw, "(file)", "raw measurements file not found")
     cluster = load_cluster(args.cluster)
     tenants = load_tenants(args.tenants, cluster)
-    w, evaluated = windows(args.workload, args.duration_s)
+    w, evaluated = measured_arrivals(args.workload, args.duration_s)
     calib = calibration_requests(tenants, args.calibration_s) if args.calibration_s > 0 else []
     missing = sorted({r.tenant for r in evaluated + calib} - set(tenants.names()))
     if missing:
         raise ConfigError(args.tenants, "tenants", f"the workload's tenant {missing[0]!r} is not served by this mesh")
     t0 = time.perf_counter()
     if args.from_raw:
-        raw = json.loads(Path(args.from_raw).read_text())
-        phases = {k: MeshMeasurement.from_dict(v) for k, v in raw["phases"].items()}
+        try:
+            raw = json.loads(Path(args.from_raw).read_text())
+            phases = {k: MeshMeasurement.from_dict(v) for k, v in raw["phases"].items()}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(args.from_raw, "phases", f"not raw measurements of this bench: {e!r}") from None
+        if "run" not in phases:
+            raise ConfigError(args.from_raw, "phases.run", "missing: the measured phase")
         calib = calib if "calibration" in phases else []
     else:
         plan = ([("calibration", calib)] if calib else []) + [("run", evaluated)]
@@ -340,8 +357,8 @@ def run(args: argparse.Namespace) -> int:
                date=time.strftime("%Y-%m-%d", time.gmtime()), wall_s=time.perf_counter() - t0, mesh_s=mesh_s,
                profile={"kind": prof.kind, "source": prof.source, "file": prof.file},
                machine_load={k: {x: v.meta.get(x) for x in ("loadavg_1m", "machine_busy")} for k, v in phases.items()})
-    print_report(res)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(res, indent=1, default=str))
+    print_report(res)
     return 0

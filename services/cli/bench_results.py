@@ -160,7 +160,7 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
     rec = TimelineRecorder(("slice",))
     res = compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"{fidelity}.json", cmd, args.quick,
                        hook=rec)
-    tl = rec.pick("slice", res["policies"]["slice"]["max_scale_9"] or None)
+    tl = rec.pick_busiest("slice")
     if tl is not None:
         _save(out / f"{fidelity}-timeline.json", dict(tl, meta=dict(res["meta"], wall_s=None)))
     else:  # never leave an older run's timeline beside this run's numbers

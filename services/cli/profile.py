@@ -116,26 +116,61 @@ def run(args: argparse.Namespace) -> int:
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda: no CUDA device is available on this machine")
-    from shared.costmodel.fitting import STARTS, build_profile, fit_rates, prediction_errors, write_profile
-    from shared.costmodel.profiling import SegmentBench, default_cases, measure, measure_peaks, measure_step_overhead
-
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    kind = args.kind or detect_kind(args.device)
-    budget = args.budget_s or (QUICK_BUDGET_S if args.quick else FULL_BUDGET_S)
-    cfgs = [PRESETS[m] for m in models]
     t_start = time.perf_counter()
-    dtype = getattr(torch, cfgs[0].dtype)
-    peak_flops, bandwidth = measure_peaks(args.device, dtype)
-    step_s = sum(measure_step_overhead(c, args.device, steps=20 if args.quick else 60) for c in cfgs) / len(cfgs)
+    kind = args.kind or detect_kind(args.device)
+    profile, fit, rows = measure_and_fit(args, kind, {m: PRESETS[m] for m in models})
+    mape = sum(abs(r[3]) for r in rows) / len(rows)
+    summary = summarize_errors(rows)
+    print("| operator | tokens | shapes | MAPE | worst |")
+    print("|---|---|---:|---:|---:|")
+    for s in summary:
+        print(f"| {s['operator']} | {s['tokens']} | {s['cases']} | {s['mape']:.1%} | {s['worst']:.1%} |")
+    print(f"all {len(rows)} shapes: MAPE {mape:.1%} against a fresh measurement (mean of uninterrupted calls)")
+    date, machine = time.strftime("%Y-%m-%d", time.gmtime()), machine_description(args.device)
+    threads = args.threads if args.device == "cpu" else torch.get_num_threads()
+    meta = {"date": date, "machine": machine, "torch": str(torch.__version__), "threads": threads, "models": models,
+            "fit": {"log_rms": round(fit.log_rms, 4), "validation_mape": round(mape, 4), "shapes": len(rows)}}
+    out = Path(args.out or f"profile-{kind}.yaml")
+    from shared.costmodel.fitting import write_profile
+    write_profile(out, profile, _header(args, models, meta), meta)
+    print(f"wrote {out} ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
+    if args.json_out:
+        names = {cfg: name for name, cfg in ((m, PRESETS[m]) for m in models)}
+        doc = {"profile": profile.to_dict(), "meta": meta, "validation_mape": mape, "summary": summary,
+               "validation": [{"model": names[cfg], "case": m.case.label, "measured_ms": m.value_ms,
+                               "mean_all_ms": m.mean_ms, "median_ms": m.median_ms, "interrupted": m.interrupted,
+                               "rel_se": m.rel_se, "predicted_ms": pred, "error": err} for cfg, m, pred, err in rows]}
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+def measure_and_fit(args: argparse.Namespace, kind: str, cfgs: dict[str, Any]) -> tuple[Any, Any, list]:
+    """Peaks, step overhead, the fit pass, the profile, and its errors against a fresh measurement pass."""
+    import torch
+
+    from shared.costmodel.fitting import STARTS, build_profile, fit_rates, prediction_errors
+    from shared.costmodel.profiling import (SegmentBench, default_cases, measure, measure_peaks,
+                                            measure_step_overhead)
+
+    budget = args.budget_s or (QUICK_BUDGET_S if args.quick else FULL_BUDGET_S)
+    first = next(iter(cfgs.values()))
+    peak_flops, bandwidth = measure_peaks(args.device, getattr(torch, first.dtype))
+    steps = 20 if args.quick else 60
+    step_s = sum(measure_step_overhead(c, args.device, steps=steps) for c in cfgs.values()) / len(cfgs)
     print(f"peaks: GEMM {peak_flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 1e9:.1f} GB/s; "
           f"engine step overhead {step_s * 1e3:.3f} ms", file=sys.stderr)
-    benches = {m: SegmentBench(c, args.device, seed=args.seed) for m, c in zip(models, cfgs)}
-    cases = {m: default_cases(c, quick=args.quick) for m, c in zip(models, cfgs)}
-    n_cases = sum(len(v) for v in cases.values())
-    print(f"measuring {n_cases} shapes of {', '.join(models)} on {args.device} for ~{budget:.0f} s ...", file=sys.stderr)
-    data = [(c, m) for name, c in zip(models, cfgs)
-            for m in measure(benches[name], cases[name], budget / len(models), seed=args.seed)]
+    benches = {m: SegmentBench(c, args.device, seed=args.seed) for m, c in cfgs.items()}
+    cases = {m: default_cases(c, quick=args.quick) for m, c in cfgs.items()}
+    print(f"measuring {sum(len(v) for v in cases.values())} shapes of {', '.join(cfgs)} on {args.device} for "
+          f"~{budget:.0f} s ...", file=sys.stderr)
+
+    def one_pass(seconds: float, seed: int) -> list:
+        return [(cfgs[m], x) for m in cfgs for x in measure(benches[m], cases[m], seconds / len(cfgs), seed=seed)]
+
+    data = one_pass(budget, args.seed)
     fit = fit_rates(data, peak_flops=peak_flops, mem_bandwidth=bandwidth, per_class_launch=True,
                     starts=STARTS[::4] if args.quick else STARTS)
     base = _base_profile(kind)
@@ -144,41 +179,15 @@ def run(args: argparse.Namespace) -> int:
                             links=base.links, step_overhead_s=step_s)
     print(f"fitted in {fit.iterations} iterations (weighted RMS log-error {fit.log_rms:.3f}); "
           f"fresh measurement for ~{budget / 2:.0f} s ...", file=sys.stderr)
-    fresh = [(c, m) for name, c in zip(models, cfgs)
-             for m in measure(benches[name], cases[name], budget / 2 / len(models), seed=args.seed + 1)]
-    rows = prediction_errors(profile, fresh)
-    summary = summarize_errors(rows)
-    mape = sum(abs(r[3]) for r in rows) / len(rows)
-    print("| operator | tokens | shapes | MAPE | worst |")
-    print("|---|---|---:|---:|---:|")
-    for s in summary:
-        print(f"| {s['operator']} | {s['tokens']} | {s['cases']} | {s['mape']:.1%} | {s['worst']:.1%} |")
-    print(f"all {len(rows)} shapes: MAPE {mape:.1%} against a fresh measurement (mean of uninterrupted calls)")
-    import torch as _t
-    tv = str(_t.__version__)
-    date = time.strftime("%Y-%m-%d", time.gmtime())
-    machine = machine_description(args.device)
-    threads = args.threads if args.device == "cpu" else _t.get_num_threads()
+    return profile, fit, prediction_errors(profile, one_pass(budget / 2, args.seed + 1))
+
+
+def _header(args: argparse.Namespace, models: list[str], meta: dict[str, Any]) -> str:
     command = (f"slicesched profile --device {args.device} --model {','.join(models)} --threads {args.threads}"
                + (" --quick" if args.quick else "") + (f" --budget-s {args.budget_s:g}" if args.budget_s else ""))
-    meta = {"date": date, "machine": machine, "torch": tv, "threads": threads, "models": models,
-            "fit": {"log_rms": round(fit.log_rms, 4), "validation_mape": round(mape, 4), "shapes": len(rows)}}
-    header = (f"Measured by `{command}` on {date}.\n"
-              f"{machine}; torch {tv}, {threads} thread(s). The real segment code timed on the "
-              f"{'thread CPU-time' if args.device == 'cpu' else 'synchronised wall'} clock\n(mean of "
-              "uninterrupted calls in interleaved rounds), fitted per (operator class, size bucket); peaks are the fastest GEMM and copy "
-              "measured (small sizes stay in cache).\nLinks and memory_bytes are not measured here (kept from "
-              "the previous profile).")
-    out = Path(args.out or f"profile-{kind}.yaml")
-    write_profile(out, profile, header, meta)
-    print(f"wrote {out} ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
-    if args.json_out:
-        doc = {"profile": profile.to_dict(), "meta": meta, "peaks": {"gemm_flops": peak_flops, "copy_bytes_s": bandwidth},
-               "step_overhead_s": step_s, "validation_mape": mape, "summary": summary,
-               "validation": [{"model": next(n for n, c in zip(models, cfgs) if c == cfg), "case": m.case.label,
-                               "measured_ms": m.value_ms, "mean_all_ms": m.mean_ms,
-                               "median_ms": m.median_ms, "interrupted": m.interrupted, "rel_se": m.rel_se,
-                               "predicted_ms": pred, "error": err} for cfg, m, pred, err in rows]}
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(doc, indent=1))
-    return 0
+    clock = "thread CPU-time" if args.device == "cpu" else "synchronised wall"
+    return (f"Measured by `{command}` on {meta['date']}.\n"
+            f"{meta['machine']}; torch {meta['torch']}, {meta['threads']} thread(s). The real segment code timed "
+            f"on the {clock} clock\n(mean of uninterrupted calls in interleaved rounds), fitted per (operator "
+            "class, size bucket); peaks are the\nfastest GEMM and copy measured (small sizes stay in cache). "
+            "Links and memory_bytes are not measured here\n(kept from the previous profile).")

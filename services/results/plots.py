@@ -61,10 +61,15 @@ def plot_timeline(tl: Mapping[str, Any], path: str | Path, title: str) -> Path:
     ax.set_title(title, fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=OWN_COLOR)]
     labels = ["own tenant's work"]
+    worked = {x[3] for x in tl["guest"]} | {x[3] for x in tl["guest_segments"]}
+    leased = {x[2] for x in tl["leases"]}
     for tn in guests:
-        handles += [plt.Rectangle((0, 0), 1, 1, color=colors[tn]),
-                    plt.Rectangle((0, 0), 1, 1, color=colors[tn], alpha=LEASE_ALPHA)]
-        labels += [f"guest work: {tn}", f"lease window: {tn}"]
+        if tn in worked:
+            handles.append(plt.Rectangle((0, 0), 1, 1, color=colors[tn]))
+            labels.append(f"guest work: {tn}")
+        if tn in leased:
+            handles.append(plt.Rectangle((0, 0), 1, 1, color=colors[tn], alpha=LEASE_ALPHA))
+            labels.append(f"lease window: {tn}")
     ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

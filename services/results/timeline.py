@@ -18,8 +18,8 @@ from typing import Any, Iterable
 import structlog
 
 from shared.codec import DecodeError, decode
-from shared.messages import (EventsMsg, LeaseGranted, LeaseRevoked, StepReport, WorkerMsg, events_stream,
-                             worker_stream)
+from shared.messages import (EventsMsg, LeaseGranted, LeaseRevoked, StepReport, WorkerHeartbeat, WorkerMsg,
+                             events_stream, worker_stream)
 from shared.streams import entry_payload
 
 log = structlog.get_logger(__name__)
@@ -74,6 +74,8 @@ def build_timeline(events: Iterable[Entry], worker: Iterable[Entry], *, t0: floa
     devices: dict[str, str] = {}
     own, guest, segs = [], [], []
     for _, m in events:
+        if isinstance(m, WorkerHeartbeat):  # idle devices report no steps but are on the timeline too
+            devices[m.device] = m.home_tenant
         if not isinstance(m, StepReport):
             continue
         devices.setdefault(m.device, m.tenant)
@@ -182,6 +184,15 @@ class TimelineRecorder:
             log.warning("timeline_read_failed", policy=policy, scale=scale, error=repr(e))
         finally:
             r.close()
+
+    def pick_busiest(self, policy: str, bound: float = 0.09) -> dict[str, Any] | None:
+        """The point within the violation ``bound`` that hosted the most leases (ties: the higher scale), else the
+        lightest load run: the run that shows slices in use, while the policy still met the bound."""
+        mine = [tl for (p, _), tl in self.points.items() if p == policy]
+        ok = [tl for tl in mine if tl.get("violation_rate") is not None and tl["violation_rate"] <= bound]
+        if not ok:
+            return min(mine, key=lambda tl: tl["scale"]) if mine else None
+        return max(ok, key=lambda tl: (len(tl["leases"]), tl["scale"]))
 
     def pick(self, policy: str, scale: float | None) -> dict[str, Any] | None:
         """The timeline at ``scale`` (e.g. the policy's max sustainable scale), else at the lightest load run."""

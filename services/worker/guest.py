@@ -133,11 +133,13 @@ class GuestHost:
         """Stop serving a lease: a running call finishes, later ones are refused."""
         with self._lock:
             lease = self.leases.get(lease_id)
-        if lease is not None and lease.state != "ended":
+            if lease is None or lease.state == "ended":
+                return
             lease.state, lease.detail = "ended", reason
-            self.lock.drop(lease_id)
-            log.info("guest_lease_ended", lease_id=lease_id, tenant=lease.tenant, reason=reason, served=lease.served,
-                     busy_ms=round(lease.busy_s * 1e3, 1))
+        self.lock.drop(lease_id)
+        if lease.served or reason != "worker_stopping":
+            log.info("guest_lease_ended", lease_id=lease_id, tenant=lease.tenant, reason=reason,
+                     served=lease.served, busy_ms=round(lease.busy_s * 1e3, 1))
 
     def close(self) -> None:
         """End every lease (staging threads stop at their next step)."""
@@ -184,7 +186,10 @@ class GuestHost:
             if lease.state != "staging":
                 return
             lease.staged.append(seg)
-        lease.state = "ready"
+        with self._lock:  # a revoke may have come in meanwhile
+            if lease.state != "staging":
+                return
+            lease.state = "ready"
         log.info("guest_lease_ready", lease_id=lease.lease_id, tenant=lease.tenant, segments=len(lease.segments),
                  staging_ms=round((time.perf_counter() - t0) * 1e3, 1), staged_bytes=self.weights.nbytes)
 

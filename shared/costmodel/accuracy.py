@@ -90,7 +90,11 @@ def segment_errors(measured: Mapping[tuple, BucketStats], predicted: Mapping[tup
     √(2/π)·SE averaged over keys) and ``keys``.
     """
     rows = []
-    for key in sorted(measured, key=str):
+    try:
+        keys = sorted(measured)
+    except TypeError:  # keys of mixed shapes
+        keys = sorted(measured, key=str)
+    for key in keys:
         m = measured[key]
         p = predicted.get(key)
         if p is None or not p.count or m.count < min_count or not m.mean > 0:

@@ -132,8 +132,7 @@ def _run_body(body: list[str], hs: list[torch.Tensor], ctxs: list[BatchContext],
         out = remote.collect(ticket)  # type: ignore[union-attr]
         now = time.perf_counter()
         seg_ms["pipeline_wait"] = seg_ms.get("pipeline_wait", 0.0) + (now - tw) * 1e3
-        if out is None:
-            seg_ms["remote_fallback"] = seg_ms.get("remote_fallback", 0.0) + 1.0
+        if out is None:  # counted by the RemoteSegments implementation
             out = local(name, inp, ctxs[i])
         else:
             key = "remote:" + name
@@ -145,9 +144,8 @@ def pipelined_step(engine: Engine, remote: RemoteSegments | None, micro_batches:
     """One step of ``engine`` in micro-batches, offering segments to ``remote``; same events as ``engine.step()``.
 
     ``segment_ms`` holds the local time per segment (summed over micro-batches), ``remote:<segment>`` the round
-    trip of remote ones, ``pipeline_wait`` the time the home spent waiting for them and ``remote_fallback`` the
-    number of remote segments that were run locally after all. With one micro-batch nothing is offered (no
-    overlap is possible, so a guest could only add latency).
+    trip of remote ones and ``pipeline_wait`` the time the home spent waiting for them. With one micro-batch
+    nothing is offered (no overlap is possible, so a guest could only add latency).
     """
     t0 = time.perf_counter()
     engine._admit()

@@ -38,6 +38,7 @@ class SliceConfig(PolicyConfig):
     guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
     tick_s: float = 0.2
     min_seek_interval_s: float = 0.05
+    max_commits: int = 1  # leases committed per decision (on distinct guests)
     horizon_s: float = 1.0
 
 
@@ -56,6 +57,7 @@ class SlicePolicy(Policy):
         self.candidates_evaluated = 0
         self._prefill_cost: dict[tuple[int, str], float] = {}
         self._last_seek: dict[str, float] = {}
+        self._extra: list[GrantLease] = []
 
     @property
     def cfg(self) -> SliceConfig:
@@ -116,6 +118,7 @@ class SlicePolicy(Policy):
                 g = self._seek(d, snapshot, whatif)
                 if g:
                     out.append(g)
+                    out += self._take_extra()
         elif trigger.kind == "tick":
             hosts = {lease.guest_device for lease in snapshot.leases.values()}
             for did in hosts:
@@ -129,7 +132,8 @@ class SlicePolicy(Policy):
                 g = self._seek(d, snapshot, whatif)
                 if g:
                     out.append(g)
-                    break  # one commit per tick; the next tick sees its effect
+                    out += self._take_extra()
+                    break  # one search that commits per tick; the next tick sees its effect
         elif trigger.kind in ("lease_end", "lease_revoked") and trigger.tenant:
             for did in self.devices_of.get(trigger.tenant, []):
                 g = self._seek(snapshot.devices[did], snapshot, whatif)
@@ -137,6 +141,10 @@ class SlicePolicy(Policy):
                     out.append(g)
                     break
         return out
+
+    def _take_extra(self) -> list[Action]:
+        extra, self._extra = self._extra, []
+        return list(extra)
 
     def _extend(self, snapshot: ClusterSnapshot, whatif: Any, skip: set[str]) -> list[Action]:
         """Keep leases that are still useful (their tenant still behind, or sequences still queued on the guest)
@@ -250,10 +258,19 @@ class SlicePolicy(Policy):
         ok = [r for r in results if r.ok and r.gain >= cfg.min_gain]
         if not ok:
             return None
-        best = max(ok, key=lambda r: (r.gain, -r.candidate.memory_bytes))
-        c = best.candidate
-        return GrantLease(c.tenant, c.home_device, c.guest_device, c.segments, c.duration_s, c.share,
-                          c.memory_bytes, predicted_gain_s=best.home_iter_s - best.leased_iter_s, mode=c.mode)
+        ok.sort(key=lambda r: (-r.gain, r.candidate.memory_bytes))
+        picked, guests = [], set()
+        for r in ok:
+            if r.candidate.guest_device in guests or (picked and r.candidate.mode == "segments"):
+                continue
+            c = r.candidate
+            picked.append(GrantLease(c.tenant, c.home_device, c.guest_device, c.segments, c.duration_s, c.share,
+                                     c.memory_bytes, predicted_gain_s=r.home_iter_s - r.leased_iter_s, mode=c.mode))
+            guests.add(c.guest_device)
+            if len(picked) >= cfg.max_commits:
+                break
+        self._extra = picked[1:]
+        return picked[0]
 
     def _layers(self, hcost, gcost, d: DeviceState, g: DeviceState, snapshot: ClusterSnapshot, eff: float,
                 free: int, whatif: Any) -> int:

@@ -13,9 +13,8 @@ import uuid
 import pytest
 import redis as syncredis
 
-from reliability.inject import fake_request, xadd_requests
 from reliability.results import RowResult, record
-from reliability.scenario import SEEDS, n_requests
+from reliability.scenario import SEEDS, fake_request, n_requests, xadd_requests
 from reliability.tap import Tap
 from services.gmg.service import GMGService
 from services.scheduler.policy import load_live_policy

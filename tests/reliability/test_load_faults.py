@@ -9,11 +9,10 @@ import uuid
 
 import pytest
 
-from reliability.inject import fake_request, xadd_requests
 from reliability.load import Driver
 from reliability.results import RowResult, summarize
 from reliability.rig import Rig
-from reliability.scenario import SCALE, SEEDS, finish, n_requests, seed_base
+from reliability.scenario import SCALE, SEEDS, fake_request, finish, n_requests, seed_base, xadd_requests
 from reliability.tap import Tap, with_tap
 from shared.codec import encode
 from shared.messages import CancelRequest, requests_stream
@@ -109,7 +108,7 @@ async def test_row17_deadline_expires_while_queued(rig, seed):
                 break
             await asyncio.sleep(0.2)
         short = [fake_request("tiny-b", gw, max_tokens=4, deadline_ts=time.time() + 2.0)
-                 for _ in range(n_requests(40) if SCALE >= 1 else 40)]
+                 for _ in range(40)]
         await asyncio.to_thread(xadd_requests, r, rig.prefix, short)
         t_short = time.time()
         wait_until = time.monotonic() + 30

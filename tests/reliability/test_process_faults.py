@@ -41,7 +41,7 @@ async def test_row1_kill_worker_mid_generation(rig, seed):
         restart = await asyncio.to_thread(rig.wait_new_pid, "worker", "cpu0", pid)
         return {"worker_restart_s": round(restart, 2)}
 
-    await run_fault_row(rig, res, n=n_requests(600), fault=fault, probe_tenant="tiny-a")
+    await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     res.note("home-pinned tenants: in-flight requests of the dead worker end with a retryable worker_failed "
                  "error (not re-run elsewhere); queued ones run after the restart")
     finish(rig, res)
@@ -59,7 +59,7 @@ async def test_row2_sigstop_worker_past_heartbeat_timeout(rig, seed):
         await asyncio.sleep(3.0)  # let the zombie's late writes happen while the tap watches
         return {"stopped_s": 6.0}
 
-    _, calls, tap = await run_fault_row(rig, res, n=n_requests(600), fault=fault, probe_tenant="tiny-b")
+    _, calls, tap = await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-b")
     res.extra["fenced_or_late_chunks"] = sum(tap.late_chunks.values())
     res.note("the woken worker's results for requests already failed must not reach the gateway as a 2nd result")
     finish(rig, res)
@@ -119,7 +119,7 @@ async def test_row4_kill_control_plane_service(rig, service, name, seed):
         restart = await asyncio.to_thread(rig.wait_new_pid, service, name, pid)
         return {"restart_s": round(restart, 2)}
 
-    await run_fault_row(rig, res, n=n_requests(400), fault=fault, probe_tenant="tiny-a")
+    await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     finish(rig, res)
     assert not res.errors.get("worker_failed"), f"healthy workers' requests were failed: {res.errors}"
 
@@ -144,6 +144,6 @@ async def test_row5_sigterm_worker_drains(rig, seed):
         restart = await asyncio.to_thread(rig.wait_new_pid, "worker", "cpu1", pid)
         return {"drain_s": round(drain, 2), "restart_s": round(restart, 2)}
 
-    await run_fault_row(rig, res, n=n_requests(400), fault=fault, probe_tenant="tiny-b")
+    await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-b")
     res.note("in-flight requests end with a retryable worker_draining error; the launcher restarts the worker")
     finish(rig, res)

@@ -33,7 +33,7 @@ async def test_row8_latency_200ms(rig, seed):
         rig.proxy.latency(0.0)
         return {"latency_s": 0.2, "duration_s": 10.0}
 
-    await run_fault_row(rig, res, n=n_requests(500), fault=fault, probe_tenant="tiny-a")
+    await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     finish(rig, res)
 
 
@@ -52,7 +52,7 @@ async def test_row8_blackhole(rig, seed):
         return {"blackhole_s": 8.0, "half_open_conns": st["watched"], "detected_conns": len(d),
                 "detection_first_s": round(d[0], 2) if d else None, "detection_median_s": median(d)}
 
-    await run_fault_row(rig, res, n=n_requests(500), fault=fault, probe_tenant="tiny-a")
+    await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     res.note("detection: a client closing a connection that went silent (socket_timeout, health checks)")
     finish(rig, res)
 
@@ -69,5 +69,5 @@ async def test_row8_reset(rig, seed):
             await asyncio.sleep(1.0)
         return {"connections_reset": n}
 
-    await run_fault_row(rig, res, n=n_requests(500), fault=fault, probe_tenant="tiny-b")
+    await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-b")
     finish(rig, res)

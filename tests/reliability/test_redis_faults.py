@@ -59,6 +59,16 @@ class AckedWriter:
                 "loss_window_ms": round((kill_ts - min(t for _, t in lost)) * 1000, 1) if lost else 0.0}
 
 
+def _groups(rig: Rig) -> set[tuple[str, str]]:
+    """(stream, group) pairs of the mesh's consumer-group streams."""
+    r = rig.r()
+    out = set()
+    for key in r.scan_iter(match=f"{rig.prefix}*", _type="stream"):
+        for g in r.xinfo_groups(key):
+            out.add((key.decode(), g["name"].decode()))
+    return out
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_row7_client_pause_all(rig, seed):
     res = RowResult("7", "Redis stall: CLIENT PAUSE 10000 ALL", seed=seed)
@@ -70,7 +80,7 @@ async def test_row7_client_pause_all(rig, seed):
         await asyncio.sleep(10.5)
         return {"paused_s": 10.0}
 
-    await run_fault_row(rig, res, n=n_requests(500), fault=fault, probe_tenant="tiny-a")
+    await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     res.note("requests finish or fail within their deadline; blocked calls resume or time out (socket_timeout)")
     finish(rig, res)
 
@@ -82,6 +92,7 @@ async def test_row6_kill_redis(rig, mode, seed):
     fsync = mode if aof else "everysec"
     rig.set_persistence(appendonly=aof, appendfsync=fsync)
     res = RowResult("6", "kill -9 redis-server, restart on the same port and dir", variant=f"AOF {mode}", seed=seed)
+    groups_before = _groups(rig)
     writer = AckedWriter(rig.redis_url, f"{rig.prefix}rel:acked")
     stop = asyncio.Event()
     wtask = asyncio.create_task(writer.run(stop))
@@ -96,7 +107,7 @@ async def test_row6_kill_redis(rig, mode, seed):
         return {"down_s": DOWN_S}
 
     try:
-        _, calls, tap = await run_fault_row(rig, res, n=n_requests(500), fault=fault, probe_tenant="tiny-b",
+        _, calls, tap = await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-b",
                                             probe_timeout_s=150)
     finally:
         stop.set()
@@ -105,6 +116,7 @@ async def test_row6_kill_redis(rig, mode, seed):
     surviving = {int(f[b"seq"]) for _, f in r.xrange(f"{rig.prefix}rel:acked")}
     r.delete(f"{rig.prefix}rel:acked")
     res.extra.update(writer.lost(surviving, info["kill_ts"]))
+    res.extra["groups_recreated"] = _groups(rig) >= groups_before
     down = [c for c in calls if c.status == 503]
     res.extra["http_503"] = len(down)
     res.extra["http_503_with_retry_after"] = sum(1 for c in down if c.retry_after)
@@ -120,5 +132,6 @@ async def test_row6_kill_redis(rig, mode, seed):
         assert res.extra["acked_writes_lost"] == 0
     if mode == "everysec":
         assert res.extra["loss_window_ms"] <= 2000
+    assert res.extra["groups_recreated"], f"consumer groups missing after the restart: {groups_before}"
     assert down and all(c.retry_after for c in down), "Redis down must answer 503 with Retry-After"
     assert all(c.status in (200, 429, 503) for c in calls if c.status is not None), res.extra["http_errors"]

@@ -10,10 +10,10 @@ import uuid
 
 import pytest
 
-from reliability.inject import fake_request, poison_payloads, xadd_poison, xadd_requests
 from reliability.load import Driver
 from reliability.results import RowResult, summarize
 from reliability.rig import KEYS, Rig
+from reliability.scenario import fake_request, poison_payloads, xadd_poison, xadd_requests
 from reliability.tap import Tap
 from shared.messages import dead_stream, requests_stream
 

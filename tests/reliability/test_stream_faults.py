@@ -14,11 +14,11 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from reliability.inject import fake_request, poison_payloads, xadd_poison, xadd_requests
 from reliability.load import Driver
 from reliability.results import RowResult, summarize
 from reliability.rig import DEVICES, KEYS, Rig
-from reliability.scenario import SEEDS, finish, n_requests, seed_base
+from reliability.scenario import (SEEDS, fake_request, finish, n_requests, poison_payloads, seed_base, xadd_poison,
+                                  xadd_requests)
 from reliability.tap import Tap
 from shared.messages import GROUP_SCHEDULER, dead_stream, requests_stream, worker_stream
 from shared.streams import safe_trim
@@ -276,7 +276,7 @@ async def test_row13_duplicate_xadd_and_replay(rig, seed):
     tap = Tap(rig.redis_url, rig.prefix)
     stop, task = await _tapped(tap)
     t0 = time.monotonic()
-    reqs = [fake_request(t, gw, max_tokens=4) for _ in range(n_requests(500) // 2) for t in KEYS]
+    reqs = [fake_request(t, gw, max_tokens=4) for _ in range(n_requests(1000) // 2) for t in KEYS]
     for i in range(0, len(reqs), 50):  # a paced stream of duplicated deliveries
         await asyncio.to_thread(xadd_requests, r, rig.prefix, reqs[i:i + 50], copies=2)
         await asyncio.sleep(0.5)

@@ -27,14 +27,16 @@ def test_own_guest_and_segments_are_split_by_source():
               (T0, report("d1", "b", 0.0, 0.5, busy=[(0.05, 0.1)], guest=[("a", 0.2, 0.3)],
                           segs=[("a/mlp[0]", 40.0), ("a/mlp[1]", 10.0), ("iteration", 99.0)])),
               (T0, WorkerHeartbeat(msg_id="h", device="d0", worker_id="w", backend="cpu", home_tenant="a", ts=T0)),
+              (T0, WorkerHeartbeat(msg_id="i", device="d2", worker_id="w", backend="cpu", home_tenant="c", ts=T0)),
               (T0, RequestStarted(msg_id="r", request_id="x", tenant="a", device="d0", ts=T0))]
     tl = build_timeline(events, [], t0=T0)
-    assert tl["devices"] == {"d0": "a", "d1": "b"}
+    assert tl["devices"] == {"d0": "a", "d1": "b", "d2": "c"}  # d2 was idle: known from its heartbeat
     assert tl["own"] == [["d0", 0.1, 0.2, "a"], ["d0", 0.3, 0.45, "a"], ["d1", 0.05, 0.1, "b"]]
     assert tl["guest"] == [["d1", 0.2, 0.3, "a"]]
     assert tl["guest_segments"] == [["d1", 0.0, 0.5, "a", 50.0]]  # home segments ("iteration") are not guest work
     assert tl["busy"]["d0"]["own_s"] == pytest.approx(0.25)
     assert tl["busy"]["d1"]["guest_s"] == pytest.approx(0.1 + 0.05)
+    assert tl["busy"]["d2"] == {"own_s": 0.0, "guest_s": 0.0, "lease_window_s": 0.0, "leases": 0}
 
 
 def test_lease_windows_follow_extensions_and_revocations():
@@ -81,3 +83,18 @@ def test_recorder_picks_the_requested_scale_else_the_lightest():
     rec.started(Launcher(), "container", 1.0)
     rec.finished(Launcher(), "container", 1.0, {})
     assert ("container", 1.0) not in rec.points
+
+
+def test_busiest_point_within_the_bound_is_the_one_shown():
+    rec = TimelineRecorder(("slice",))
+    lease = ["d1", "d0", "a", 0.0, 1.0, "segments", "window"]
+    rec.points = {("slice", 1.0): {"scale": 1.0, "violation_rate": 0.0, "leases": []},
+                  ("slice", 2.0): {"scale": 2.0, "violation_rate": 0.05, "leases": [lease]},
+                  ("slice", 3.0): {"scale": 3.0, "violation_rate": 0.04, "leases": []},
+                  ("slice", 4.0): {"scale": 4.0, "violation_rate": 0.5, "leases": [lease, lease]}}
+    assert rec.pick_busiest("slice")["scale"] == 2.0
+    rec.points[("slice", 2.0)]["leases"] = []
+    assert rec.pick_busiest("slice")["scale"] == 3.0  # no leases anywhere within the bound: the highest scale
+    for tl in rec.points.values():
+        tl["violation_rate"] = 0.2
+    assert rec.pick_busiest("slice")["scale"] == 1.0 and rec.pick_busiest("container") is None

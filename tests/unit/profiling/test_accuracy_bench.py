@@ -1,0 +1,139 @@
+"""``slicesched bench accuracy`` without the mesh: the simulator replay, the calibration helpers, and the whole
+analysis on real measurements saved from a short run of the CPU mesh (data/accuracy_raw_short.json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.cli.accuracy_mesh import MeshMeasurement, SegmentBucket
+from services.cli.accuracy_sim import replay
+from services.cli.bench_accuracy import (calibration_requests, correction_factors, drift, loop_overhead,
+                                         match_requests, measured_segments, path_latency)
+from services.cli.main import main
+from shared.config import REPO_CONFIGS, load_cluster, load_tenants
+from shared.costmodel import cost_for
+from shared.costmodel.accuracy import BucketStats
+from shared.workload import WorkloadRequest
+
+RAW = Path(__file__).parent / "data" / "accuracy_raw_short.json"
+
+
+@pytest.fixture(scope="module")
+def mesh_cfg():
+    cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
+    return cluster, load_tenants(REPO_CONFIGS / "tenants.yaml", cluster)
+
+
+def _meas(**kw) -> MeshMeasurement:
+    base = dict(t0_ts=1000.0, requests=[], segments=[], memory={}, capacity_bytes={}, reports=[], worker_requests=[])
+    return MeshMeasurement(**(base | kw))
+
+
+def test_replay_times_one_request_with_the_cost_model(mesh_cfg):
+    cluster, tenants = mesh_cfg
+    req = WorkloadRequest("r0", 0.5, "tiny-a", 100, 5)
+    rep = replay(cluster, tenants, [req])
+    cost = cost_for(tenants.get("tiny-a").model.config, "cpu")
+    prefill = cost.iteration_time(0, 0, 100, 100 * 101 // 2, 100, 1)
+    ttft, tpot = rep.requests["r0"]
+    assert ttft == pytest.approx(prefill, rel=1e-9)
+    decode = [cost.iteration_time(1, 100 + i) for i in range(1, 5)]
+    assert tpot == pytest.approx(sum(decode) / 4, rel=1e-9)
+    # one prefill + four decode iterations, all on cpu0, expanded into 4 attn + 4 mlp each
+    assert len(rep.iterations) == 5 and {it.device for it in rep.iterations} == {"cpu0"}
+    segs = rep.segment_predictions()
+    assert segs[("cpu0", "mlp", 1)].count == 4 * 4 and segs[("cpu0", "mlp", 128)].count == 4
+    assert segs[("cpu0", "head", 128)].mean == pytest.approx(cost.head_time(1) * 1e3)
+    # memory: weights from the start, plus the request's KV blocks while it runs
+    tl = rep.memory["cpu0"]
+    kv = -(-105 // 16) * 16 * cost.kv_bytes_per_token
+    assert max(b for _, b in tl) == cost.weight_bytes + kv and tl[-1][1] == cost.weight_bytes
+
+
+def test_replay_shift_delivery_and_drift(mesh_cfg):
+    cluster, tenants = mesh_cfg
+    req = [WorkloadRequest("r0", 0.0, "tiny-b", 64, 3)]
+    base = replay(cluster, tenants, req).requests["r0"]
+    moved = replay(cluster, tenants, req, arrival_shift_s=0.01, delivery_s=0.002).requests["r0"]
+    assert moved[0] == pytest.approx(base[0] + 0.012) and moved[1] == pytest.approx(base[1])
+    slow = replay(cluster, tenants, req, drift={"cpu1": [(0.0, 2.0)]})
+    assert slow.requests["r0"][0] == pytest.approx(2 * base[0]) and slow.requests["r0"][1] == pytest.approx(2 * base[1])
+    assert all(it.scale == 2.0 for it in slow.iterations)
+
+
+def test_match_requests_and_path_latency():
+    recs = [{"id": "a", "tenant": "t", "status": "ok", "sent_ts": 1000.0, "ttft_s": 0.050, "input_tokens": 10,
+             "output_tokens": 4},
+            {"id": "b", "tenant": "t", "status": "ok", "sent_ts": 1000.1, "ttft_s": 0.070, "input_tokens": 10,
+             "output_tokens": 4}]
+    workers = [{"device": "d", "tenant": "t", "prompt_tokens": 10, "completion_tokens": 4, "started": 0.11,
+                "first_token": 0.16, "finish": 0.2},
+               {"device": "d", "tenant": "t", "prompt_tokens": 10, "completion_tokens": 4, "started": 0.01,
+                "first_token": 0.04, "finish": 0.1}]
+    m = _meas(requests=recs, worker_requests=workers)
+    pairs = match_requests(m)
+    assert [(r["id"], w["started"]) for r, w in pairs] == [("a", 0.01), ("b", 0.11)]
+    d_in, d_out = path_latency(m)
+    assert d_in == pytest.approx(0.01)  # both requests reach the worker 10 ms after they are sent
+    assert d_out == pytest.approx(0.01)  # and their first token reaches the client 10 ms after the worker has it
+
+
+def test_loop_overhead_and_correction_factors():
+    workers = [{"device": "d", "started": 0.0, "finish": 1.0}, {"device": "d", "started": 0.5, "finish": 1.5}]
+    reports = [{"device": "d", "end": 1.0, "steps": 100, "segment_ms": 1000.0, "segments": []}]
+    # 1.5 s with work, 1.0 s of it in segments, over 100 iterations: 5 ms per iteration
+    assert loop_overhead(_meas(worker_requests=workers, reports=reports)) == {"d": pytest.approx(0.005)}
+    meas = {("d", "mlp", 1): BucketStats(10, 20.0), ("d", "mlp", 2): BucketStats(10, 60.0),
+            ("d", "attn", 1): BucketStats(5, 5.0)}
+    pred = {("d", "mlp", 1): BucketStats(4, 4.0), ("d", "mlp", 2): BucketStats(1, 2.0)}
+    # (20 + 60) measured against 10 × 1 + 10 × 2 predicted; attn never predicted
+    assert correction_factors(meas, pred) == {"d": {"mlp": pytest.approx(80 / 30)}}
+
+
+def test_drift_is_causal_ewma():
+    reports = [{"device": "d", "end": 1.0, "segments": [["mlp[0]", 1, 10, 20.0]]},
+               {"device": "d", "end": 2.0, "segments": [["mlp[1]", 1, 10, 40.0], ["head", 1, 5, 1.0]]}]
+    pts = drift(_meas(reports=reports), {("d", "mlp", 1): 1.0}, alpha=0.5)["d"]
+    assert pts == [(1.0, pytest.approx(2.0)), (2.0, pytest.approx(3.0))]  # head: no prediction, left out
+
+
+def test_measured_segments_pool_layers_and_devices():
+    segs = [SegmentBucket("a", "t", "mlp[0]", 4, 2, 2.0, 2.0), SegmentBucket("a", "t", "mlp[3]", 4, 2, 6.0, 18.0),
+            SegmentBucket("b", "u", "mlp[1]", 4, 1, 4.0, 16.0)]
+    pooled = measured_segments(_meas(segments=segs))
+    assert pooled[("mlp", 4)].count == 5 and pooled[("mlp", 4)].mean == pytest.approx(12.0 / 5)
+    assert measured_segments(_meas(segments=segs), pool_devices=False)[("a", "mlp", 4)].count == 4
+
+
+def test_calibration_traffic_is_deterministic_and_covers_every_tenant(mesh_cfg):
+    _, tenants = mesh_cfg
+    a, b = calibration_requests(tenants, 10.0), calibration_requests(tenants, 10.0)
+    assert a == b and {r.tenant for r in a} == set(tenants.names())
+    assert all(0 <= r.arrival_s < 10 and 16 <= r.input_tokens <= 256 and 8 <= r.output_tokens <= 64 for r in a)
+
+
+def test_bench_from_saved_mesh_measurements(tmp_path, capsys):
+    out = tmp_path / "acc.json"
+    rc = main(["bench", "accuracy", "--from-raw", str(RAW), "--duration-s", "6", "--calibration-s", "3",
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    for key in ("segment_mape", "ttft_median_ape", "tpot_median_ape", "memory_error_pct_capacity"):
+        assert 0 <= res[key] < 50, key  # fractions
+        assert res["profile_only"][key] >= 0
+    assert res["headline"] == "calibrated" and {"calibrated", "online", "calibration"} <= set(res)
+    assert res["requests"] == len(json.loads(RAW.read_text())["phases"]["run"]["requests"])
+    rows = res["calibrated"]["detail"]["segments"]["rows"]
+    assert rows and all(r["count"] >= 20 for r in rows)
+    # weights and KV are accounted the same way on both sides: well under 5 % of capacity apart
+    assert res["memory_error_pct_capacity"] < 0.05
+    assert "per-segment latency MAPE" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    assert main(["bench", "accuracy", "--duration-s", "0"]) == 2
+    assert main(["bench", "accuracy", "--workload", "/nonexistent.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "nonexistent.yaml" in err and "Traceback" not in err

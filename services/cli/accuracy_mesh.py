@@ -11,6 +11,8 @@ every 0.5 s) and ``RequestFinished`` (the worker's view of each request). Everyt
 """
 from __future__ import annotations
 
+from services.launcher import MEASURE_ENV
+
 import asyncio
 import os
 import tempfile
@@ -182,7 +184,7 @@ def run_mesh(cluster_file: str, tenants_file: str, phases: list[tuple[str, list[
     with tempfile.TemporaryDirectory(prefix="slicesched-accuracy-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(cluster_file).resolve()),
                             tenants_file=str(Path(tenants_file).resolve()), data_dir=Path(tmp), gateway_port=0,
-                            prefix=prefix)
+                            prefix=prefix, extra_env=MEASURE_ENV)
         t_start = time.perf_counter()
         launcher.start()
         log.info("accuracy_mesh_up", gateway=launcher.gateway_url, start_s=round(time.perf_counter() - t_start, 2))

@@ -2,6 +2,8 @@
 worker -> Redis -> gateway -> client) against the same model's in-process decode step, at several batch sizes."""
 from __future__ import annotations
 
+from services.launcher import MEASURE_ENV
+
 import argparse
 import asyncio
 import json
@@ -87,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"in-process batch {b}: {results[b]['in_process_step_ms']:.3f} ms/step", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="slicesched-bench-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()),
-                            tenants_file=str(Path(args.tenants).resolve()), data_dir=Path(tmp), gateway_port=0)
+                            tenants_file=str(Path(args.tenants).resolve()), data_dir=Path(tmp), gateway_port=0,
+                            extra_env=MEASURE_ENV)
         launcher.start()
         try:
             for b in batches:

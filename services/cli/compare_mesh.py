@@ -9,6 +9,8 @@ Points run one at a time (one mesh on the machine); ``--jobs`` is ignored for th
 """
 from __future__ import annotations
 
+from services.launcher import MEASURE_ENV
+
 import argparse
 import re
 import tempfile
@@ -66,7 +68,7 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
     tenants = _tenants_file(args.workload)
     with tempfile.TemporaryDirectory(prefix=f"slicesched-{fidelity}-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()), tenants_file=tenants,
-                            data_dir=Path(tmp), gateway_port=0, policy=policy, prefix="bench:")
+                            data_dir=Path(tmp), gateway_port=0, policy=policy, prefix="bench:", extra_env=MEASURE_ENV)
         hook = getattr(args, "mesh_hook", None)  # bench results: reads the run's streams for a busy-time timeline
         t0 = time.perf_counter()
         launcher.start()

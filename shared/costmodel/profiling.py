@@ -4,7 +4,7 @@ What is timed is the model's own segment code (:meth:`shared.model.llama.LlamaMo
 calls the engine times per step: ``embed``, ``mlp``, ``head`` over a grid of token counts, and ``attn`` (norm,
 qkv, rope, KV write, attention over a paged KV cache, o-proj, residual) for decode batches over several context
 lengths, prefill chunks with and without cached context, and mixed batches. Plus the engine's work per step
-outside the segments (batch layout, sampling, bookkeeping) and two reference peaks (a large GEMM, a large copy).
+outside the segments (batch layout, sampling, bookkeeping) and reference peaks (the fastest GEMM and copy).
 
 On the CPU the clock is the calling thread's CPU time (torch runs with one thread in the calling thread), not
 wall time: on a shared, oversubscribed machine a long operator's wall time is its CPU time stretched by however

@@ -132,6 +132,8 @@ class LeaseRemote:
                 link.fallbacks += 1
                 if res.error == "lease_inactive":
                     link.state = "ended"
+                elif res.error == "busy":  # the guest's own work holds its device: it will for a while
+                    link.cooldown_until = time.monotonic() + self.opts.cooldown_s
                 return None
             out = self.mover.unpack(res.shape, res.dtype, res.handle, payload, self.device)
         except TimeoutError:

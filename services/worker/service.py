@@ -83,7 +83,9 @@ class WorkerService:
                  weight_bytes=self.engine.weight_bytes, worker_id=self.worker_id)
         try:
             extra = [self.lease_agent.maintain_loop(self.shell.stop)] if self.lease_agent is not None else []
-            await run_tasks(self.shell, self.consumer.run(self.shell.stop), self._compute_loop(),
+            # the reclaim loop also trims acked entries (MINID below pending): without it worker streams only grow
+            await run_tasks(self.shell, self.consumer.run(self.shell.stop), self.consumer.reclaim_loop(self.shell.stop),
+                            self._compute_loop(),
                             self._publish_loop(), self._heartbeat_loop(),
                             self.shell.heartbeat_loop(extra=self._health_extra), *extra)
             await self._drain()

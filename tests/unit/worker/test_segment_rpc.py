@@ -175,7 +175,9 @@ def test_timeout_falls_back_cools_down_and_the_late_reply_is_dropped(site):
         t0 = time.monotonic()
         assert remote.collect(t) is None
         assert 0.025 < time.monotonic() - t0 < 0.5
-        assert link.timeouts == 1 and not remote.remote("mlp[0]")
+        # the driver gives up first, or reads the guest's own "busy" refusal if that is already there
+        assert link.fallbacks == 1 and (link.timeouts == 1 or link.errors == {"busy": 1})
+        assert not remote.remote("mlp[0]")  # cooling down
         time.sleep(0.05)
     time.sleep(0.25)
     assert remote.remote("mlp[0]")

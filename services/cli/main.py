@@ -40,9 +40,11 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) -> None:
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str, load: bool = True) -> None:
     p = sub.add_parser(name, help=help_, description=help_)
     p.set_defaults(_module=module, _parser=p)
+    if not load:  # only the chosen subcommand's module is imported (they can be heavy: torch, matplotlib)
+        return
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -53,20 +55,24 @@ def _add(sub: argparse._SubParsersAction, name: str, module: str, help_: str) ->
     mod.configure(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``argv``, only the subcommand it names has its module imported and its options added."""
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    cmd = words[0] if words else None
+    bcmd = words[1] if cmd == "bench" and len(words) > 1 else None
     parser = _Parser(prog="slicesched", description="SliceScheduler: operator-level slice scheduling for LLM serving")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module, help_) in COMMANDS.items():
-        _add(sub, name, module, help_)
+        _add(sub, name, module, help_, load=name == cmd)
     bench = sub.add_parser("bench", help="benchmarks (results go in docs/)")
     bsub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (module, help_) in BENCH.items():
-        _add(bsub, name, module, help_)
+        _add(bsub, name, module, help_, load=name == bcmd)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "_missing", False):
         print(f"slicesched: this subcommand is not available in this build ({args._module})", file=sys.stderr)

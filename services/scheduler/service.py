@@ -7,6 +7,7 @@ import time
 import uuid
 
 import structlog
+from redis.exceptions import ResponseError
 from prometheus_client import Counter, Gauge, Histogram
 
 from shared.config import ClusterConfig, Settings, TenantsConfig
@@ -58,6 +59,11 @@ class SchedulerService:
         self.m_failed = Counter("slicesched_scheduler_failed_total", "Requests failed by the scheduler",
                                 ["tenant", "code"], registry=reg)
         self.m_leases = Counter("slicesched_leases_total", "Lease events", ["event"], registry=reg)
+        self.m_lag = Gauge("slicesched_stream_lag", "Entries not yet delivered to a consumer group",
+                           ["stream", "group"], registry=reg)
+        self.m_pending = Gauge("slicesched_stream_pending", "Entries delivered but not acked (PEL size)",
+                               ["stream", "group"], registry=reg)
+        self._streams_ts = 0.0
         self.snapshots = SnapshotBuilder(cluster, tenants, self.core)
         self.lease_mgr = LeaseManager(self.p, self.gmg, self.producer, tenants)
         self.rows: dict[str, dict[str, str]] = {}
@@ -315,6 +321,7 @@ class SchedulerService:
                 if rounds % 10 == 0:
                     await self._fail_lost_assignments()
                 await self._publish_tenant_stats()
+                await self._export_stream_stats()
             except REDIS_ERRORS as e:
                 log.warning("device_refresh_error", error=repr(e))
             try:
@@ -390,6 +397,26 @@ class SchedulerService:
                     maxlen=TOKENS_MAXLEN)
             self.m_failed.labels(req.tenant, "state_lost").inc()
             await self._finished(rid, dev, "failed")
+
+    async def _export_stream_stats(self) -> None:
+        """Lag and pending counts of every consumer group on the mesh's streams (every 5 s)."""
+        if time.monotonic() - self._streams_ts < 5.0:
+            return
+        self._streams_ts = time.monotonic()
+        streams = [requests_stream(self.p), events_stream(self.p)] + [worker_stream(self.p, d.id)
+                                                                       for d in self.cluster.devices]
+        for st in streams:
+            try:
+                groups = await self.redis.xinfo_groups(st)
+            except ResponseError:
+                continue
+            name = st[len(self.p):]
+            for g in groups:
+                gname = g.get("name", b"")
+                gname = gname.decode() if isinstance(gname, bytes) else str(gname)
+                lag = g.get("lag")
+                self.m_lag.labels(name, gname).set(float(lag) if lag is not None else float("nan"))
+                self.m_pending.labels(name, gname).set(float(g.get("pending") or 0))
 
     async def _publish_tenant_stats(self) -> None:
         pipe = self.redis.pipeline(transaction=False)

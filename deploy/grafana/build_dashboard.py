@@ -34,6 +34,7 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("slicesched_scheduler_admitted_total", "counter", {"tenant", "device"}),
         ("slicesched_scheduler_failed_total", "counter", {"tenant", "code"}),
         ("slicesched_worker_tokens_total", "counter", {"device", "tenant"}),
+        ("slicesched_worker_fenced_results_total", "counter", {"device"}),
         # per device, leases
         ("slicesched_device_busy_ratio", "gauge", {"device"}),
         ("slicesched_device_memory_bytes", "gauge", {"device", "kind"}),
@@ -125,6 +126,9 @@ def panels() -> list[list[tuple]]:
          "The twin trails the GMG by the epochs it has not applied yet.", False),
     ]
     streams = [
+        ("Fenced late results (zombie workers)",
+         [(f"sum by (device) (rate(slicesched_worker_fenced_results_total[{RI}]))", "{{device}}")], "ops",
+         "Terminal results a worker did not publish because the request had already ended elsewhere.", False),
         ("GMG events applied", [(f"sum by (type, result) (rate(slicesched_gmg_events_total[{RI}]))",
                                  "{{type}} {{result}}")], "ops", "", False),
         ("Stream lag", [("sum by (stream, group) (slicesched_stream_lag)", "{{stream}} / {{group}}")], "short",

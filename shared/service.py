@@ -31,6 +31,14 @@ def health_key(prefix: str, service: str, name: str) -> str:
     return f"{prefix}health:{service}:{name}"
 
 
+_SHELLS: list["ServiceShell"] = []
+
+
+def _stop_all(sig: int) -> None:
+    for shell in _SHELLS:
+        shell._on_signal(sig)
+
+
 class ServiceShell:
     """Owns the stop event, signal handlers, the health key and the /health + /metrics endpoint."""
 
@@ -48,16 +56,19 @@ class ServiceShell:
         self.port = 0
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT set the stop flag of every shell in this process (one process may host several
+        services, e.g. emulated devices), since a loop keeps only one handler per signal."""
+        _SHELLS.append(self)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
-                loop.add_signal_handler(sig, self._on_signal, sig)
+                loop.add_signal_handler(sig, _stop_all, sig)
             except (NotImplementedError, RuntimeError):
                 pass
 
     def _on_signal(self, sig: int) -> None:
         if not self.stop.is_set():
-            log.info("stop_requested", signal=signal.Signals(sig).name)
+            log.info("stop_requested", signal=signal.Signals(sig).name, name=self.name)
         self.stop.set()
 
     # ------------------------------------------------------------ health + metrics endpoint

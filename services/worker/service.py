@@ -3,6 +3,7 @@ tokens to gateways, reports heartbeats / step statistics / finished requests on 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 import uuid
@@ -111,6 +112,14 @@ class WorkerService:
         """One engine step on the compute thread (through the lease agent when there is one)."""
         return self.lease_agent.step() if self.lease_agent is not None else self.engine.step()
 
+    def _lane_step(self, eng):
+        """A guest-lane iteration holds the device like home work, so leased segments never run concurrently."""
+        lock = getattr(self.lease_agent, "lock", None)
+        if lock is None:
+            return eng.step()
+        with lock.home():
+            return eng.step()
+
     def _health_extra(self) -> dict:
         return self.lease_agent.health_fields() if self.lease_agent is not None else {}
 
@@ -195,7 +204,8 @@ class WorkerService:
                 continue
             t0 = time.time()
             try:
-                res = await loop.run_in_executor(self.compute, self._step if eng is self.engine else eng.step)
+                res = await loop.run_in_executor(self.compute, self._step if eng is self.engine else
+                                                 functools.partial(self._lane_step, eng))
             except Exception as e:  # a failed step fails its batch, not the worker
                 log.exception("engine_step_failed")
                 running = set(eng.running_ids())  # the failed batch; waiting requests were not in it

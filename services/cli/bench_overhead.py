@@ -62,7 +62,7 @@ async def _mesh_round(url: str, key: str, model: str, batch: int, tokens: int, p
             async for line in resp.content:
                 if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                     chunk = json.loads(line[6:])
-                    if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
+                    if chunk.get("choices") and first is None:
                         first = time.perf_counter()
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]

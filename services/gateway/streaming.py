@@ -136,7 +136,7 @@ async def _stream(request: web.Request, ctx: RequestContext, pending: PendingReq
                 await _stream_error(request, resp, err, metrics, ctx)
                 return resp
             progress.add(ev)
-            if ev.text:
+            if ev.text or ev.token_ids:  # one chunk per generated token (text may be empty: partial UTF-8)
                 await resp.write(shaper.delta(ev.text))
             if ev.finish_reason is not None:
                 break

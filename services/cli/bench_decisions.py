@@ -108,7 +108,10 @@ async def _bench(args: argparse.Namespace, redis_url: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shared.logging import setup_logging
     from shared.procutil import RedisServer
+
+    setup_logging("bench", "json", "warning")  # the scheduler's per-decision log lines are not part of the timing
 
     url = os.environ.get("REDIS_URL")
     with tempfile.TemporaryDirectory(prefix="slicesched-decisions-") as tmp:

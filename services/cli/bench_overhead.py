@@ -99,20 +99,48 @@ def run(args: argparse.Namespace) -> int:
                                                                     args.tokens, args.prompt_tokens)))
                           for _ in range(args.repeat)]
                 tpot = statistics.median(rounds) * 1e3
-                results[b].update(mesh_tpot_ms=tpot, added_ms_per_token=tpot - results[b]["in_process_step_ms"])
+                step = _mesh_step_ms(launcher.redis_url, tenant.home_devices[0], b)
+                results[b].update(mesh_tpot_ms=tpot, added_ms_per_token=tpot - results[b]["in_process_step_ms"],
+                                  mesh_worker_step_ms=step, token_path_ms=tpot - step)
                 print(f"mesh batch {b}: {tpot:.3f} ms/token", file=sys.stderr)
         finally:
             launcher.stop(drain_s=10)
     out = {"tenant": tenant.name, "model": tenant.model.preset, "output_tokens": args.tokens,
            "prompt_tokens": args.prompt_tokens, "batches": {str(k): v for k, v in results.items()},
            "machine": _machine(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
-    print("| batch | in-process decode step (ms) | mesh time per output token (ms) | added by the mesh (ms/token) |")
-    print("|---|---|---|---|")
+    print("| batch | in-process decode step (ms) | mesh time per output token (ms) | added by the mesh (ms/token) "
+          "| worker step inside the mesh (ms) | token path beyond the step (ms) |")
+    print("|---|---|---|---|---|---|")
     for b, r in results.items():
-        print(f"| {b} | {r['in_process_step_ms']:.3f} | {r['mesh_tpot_ms']:.3f} | {r['added_ms_per_token']:.3f} |")
+        print(f"| {b} | {r['in_process_step_ms']:.3f} | {r['mesh_tpot_ms']:.3f} | {r['added_ms_per_token']:.3f} "
+              f"| {r['mesh_worker_step_ms']:.3f} | {r['token_path_ms']:.3f} |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def _mesh_step_ms(redis_url: str, device: str, batch: int) -> float:
+    """Decode-step compute time the worker measured inside the mesh: the sum of its segment times per step, for
+    steps of ``batch`` rows (from its StepReports on the events stream)."""
+    import redis as syncredis
+
+    from services.worker.core import tokens_bucket
+    from shared.codec import decode
+    from shared.messages import EventsMsg, StepReport, events_stream
+
+    r = syncredis.Redis.from_url(redis_url)
+    bucket, total_ms, steps = tokens_bucket(batch), 0.0, 0
+    try:
+        for _id, f in r.xrange(events_stream("slicesched:"), count=500_000):
+            m = decode(f[b"m"], EventsMsg)
+            if isinstance(m, StepReport) and m.device == device:
+                for st in m.segments:
+                    if st.tokens_bucket == bucket:
+                        total_ms += st.total_ms
+                        steps += st.count if st.segment == "embed" else 0
+    finally:
+        r.close()
+    return total_ms / max(1, steps)
 
 
 def _machine() -> str:

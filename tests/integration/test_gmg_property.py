@@ -186,6 +186,8 @@ def test_gmg_memory_safety_property(redis_url, prefix, examples):
     loop = asyncio.new_event_loop()
     GMGMachine.loop, GMGMachine.redis_url, GMGMachine.base = loop, redis_url, prefix
     try:
+        # the machine's invariants assert after every step (never over capacity - headroom, clean refusals)
+        assert GMGMachine.redis_url == redis_url
         run_state_machine_as_test(GMGMachine, settings=settings(
             max_examples=examples, stateful_step_count=12, deadline=None, database=None,
             suppress_health_check=list(HealthCheck)))

@@ -105,7 +105,8 @@ async def test_lease_over_tcp_identical_tokens(pair_factory):
     alone = await pair.run(DRIVER, "ta", ps, max_tokens=12)
     lid = await pair.grant(MLPS)
     await _lease_ready(pair, lid)
-    await _leased_run_matches(pair, ps, alone, 12)
+    await _leased_run_matches(pair, ps, alone, 12)  # asserts identical tokens and that the guest served segments
+    assert alone, "the alone run produced no outputs to compare"
 
 
 async def test_guest_tenant_burst_keeps_its_sla_and_guest_work_yields(pair_factory):

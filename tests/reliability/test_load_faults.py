@@ -85,6 +85,7 @@ async def test_row16_overload(rig, factor, seed):
     res.duration_s = round(time.monotonic() - t0, 1)
     res.note("TPOT from SSE chunk times (client side); SLA = TTFT <= 2 s and TPOT <= 100 ms (configs/tenants.yaml)")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert res.extra["retry_after_on_429_503"] in (None, 1.0)
     assert res.rejected > 0 and all(c.status in (200, 429, 503) for c in calls if c.status)
 
@@ -136,4 +137,5 @@ async def test_row17_deadline_expires_while_queued(rig, seed):
     res.duration_s = round(time.monotonic() - t0, 1)
     res.note("the scheduler fails queued requests past deadline_ts with 504 deadline_exceeded; none reaches a worker")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert codes.get("deadline_exceeded") == len(rids) and not started_late

@@ -45,6 +45,7 @@ async def test_row1_kill_worker_mid_generation(rig, seed):
     res.note("home-pinned tenants: in-flight requests of the dead worker end with a retryable worker_failed "
                  "error (not re-run elsewhere); queued ones run after the restart")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -63,6 +64,7 @@ async def test_row2_sigstop_worker_past_heartbeat_timeout(rig, seed):
     res.extra["fenced_or_late_chunks"] = sum(tap.late_chunks.values())
     res.note("the woken worker's results for requests already failed must not reach the gateway as a 2nd result")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -105,6 +107,7 @@ async def test_row3_long_healthy_generation_is_not_reclaimed(rig, seed):
     res.note("worker streams have one fixed owner (consumer = device id) and no reclaim; the failure detector "
                  "that could misfire is the 3 s heartbeat staleness")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert res.errors.get("worker_failed", 0) == 0 and max_deliveries <= 1 and res.extra["reexecuted"] == 0
     assert len(long_e2e) == 6 and min(long_e2e) > 0
 
@@ -121,6 +124,7 @@ async def test_row4_kill_control_plane_service(rig, service, name, seed):
 
     await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert not res.errors.get("worker_failed"), f"healthy workers' requests were failed: {res.errors}"
 
 
@@ -147,3 +151,4 @@ async def test_row5_sigterm_worker_drains(rig, seed):
     await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-b")
     res.note("in-flight requests end with a retryable worker_draining error; the launcher restarts the worker")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0

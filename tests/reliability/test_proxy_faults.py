@@ -35,6 +35,7 @@ async def test_row8_latency_200ms(rig, seed):
 
     await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -55,6 +56,7 @@ async def test_row8_blackhole(rig, seed):
     await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     res.note("detection: a client closing a connection that went silent (socket_timeout, health checks)")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -71,3 +73,4 @@ async def test_row8_reset(rig, seed):
 
     await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-b")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0

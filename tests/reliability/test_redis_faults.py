@@ -83,6 +83,7 @@ async def test_row7_client_pause_all(rig, seed):
     await run_fault_row(rig, res, n=n_requests(1000), fault=fault, probe_tenant="tiny-a")
     res.note("requests finish or fail within their deadline; blocked calls resume or time out (socket_timeout)")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -123,6 +123,7 @@ async def test_row9_cancellation_storm(rig, seed):
     res.duration_s = round(time.monotonic() - t0, 1)
     res.note("also row 15 end to end: after the storm every KV reservation but the weights is released")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert mixups == 0 and leaked == 0 and verified >= len(checks) // 2
     assert not any(res.extra["protocol_errors_in_logs"].values()), res.extra["protocol_errors_in_logs"]
 
@@ -171,6 +172,7 @@ async def test_row10_burst_beyond_connection_pool(rig, seed):
     res.duration_s = round(time.monotonic() - t0, 1)
     res.note("the gateway's pool holds 256 connections; tenant bounds answer 429/503 with Retry-After")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert res.extra["log_events"]["Too many connections"] == 0 and not res.extra["gateway_restarted"]
     assert all(c.status in (200, 429, 503) for c in calls), res.extra["http_errors"]
 
@@ -220,6 +222,7 @@ async def test_row11_backlog_with_stopped_scheduler(rig, seed):
     res.note("requests and worker streams carry no MAXLEN (MINID trims below the oldest pending / last delivered "
              "id); events and tokens streams cap at 200k; queues past a tenant's bound end with 429")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert length_after_trim >= len(reqs) and res.extra["xautoclaim_deleted_ids"] == 0  # unread entries kept
 
 
@@ -264,6 +267,7 @@ async def test_row12_poison_entries(rig, seed):
     res.note("kinds: truncated MessagePack, wrong schema, a 50 MB blob, 100k-deep nesting; each kind goes to "
              "the dead-letter stream on its first delivery (nothing to retry in an undecodable entry)")
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert res.extra["dead_lettered"] == 2 * injected and res.extra["consumer_crashes"] == 0
     assert told == len(payloads["wrong_schema"])
 
@@ -294,4 +298,5 @@ async def test_row13_duplicate_xadd_and_replay(rig, seed):
                       "requests_pending_after": pending})
     res.duration_s = round(time.monotonic() - t0, 1)
     finish(rig, res)
+    assert res.lost == 0 and res.duplicated == 0
     assert res.extra["started_per_request_max"] == 1 and res.extra["results_per_request_max"] == 1

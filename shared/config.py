@@ -363,3 +363,10 @@ class Settings:
                    tenants_file=e.get("SLICESCHED_TENANTS", str(REPO_CONFIGS / "tenants.yaml")),
                    log_format=e.get("SLICESCHED_LOG_FORMAT", "auto"), log_level=e.get("SLICESCHED_LOG_LEVEL", "info"),
                    gateway_host=gw_host, gateway_port=port, metrics_port=mport, metrics_host=metrics_host)
+
+
+def load_runtime(env: dict[str, str] | None = None) -> tuple[Settings, ClusterConfig, TenantsConfig]:
+    """Settings from the environment plus the cluster and tenants files they name (every service's start)."""
+    settings = Settings.from_env(env)
+    cluster = load_cluster(settings.cluster_file)
+    return settings, cluster, load_tenants(settings.tenants_file, cluster)

@@ -6,7 +6,7 @@ import asyncio
 import os
 import sys
 
-from shared.config import ConfigError, Settings, load_cluster, load_tenants
+from shared.config import ConfigError, load_runtime
 from shared.logging import setup_logging
 
 
@@ -16,9 +16,7 @@ def main() -> int:
                     help="instance name: health key and stream consumer name (stable across restarts)")
     args = ap.parse_args()
     try:
-        settings = Settings.from_env()
-        cluster = load_cluster(settings.cluster_file)
-        tenants = load_tenants(settings.tenants_file, cluster)
+        settings, cluster, tenants = load_runtime()
     except ConfigError as e:
         print(f"gmg: config error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ import asyncio
 import os
 import sys
 
-from shared.config import ConfigError, Settings, load_cluster, load_tenants
+from shared.config import ConfigError, load_runtime
 from shared.logging import setup_logging
 
 
@@ -15,9 +15,7 @@ def main() -> int:
     ap.add_argument("--policy", default=os.environ.get("SLICESCHED_POLICY", "container"))
     args = ap.parse_args()
     try:
-        settings = Settings.from_env()
-        cluster = load_cluster(settings.cluster_file)
-        tenants = load_tenants(settings.tenants_file, cluster)
+        settings, cluster, tenants = load_runtime()
     except ConfigError as e:
         print(f"scheduler: config error: {e}", file=sys.stderr)
         return 2

@@ -38,9 +38,22 @@ def sim_checks(res: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _all(values: list[Any], pred) -> bool | None:
+    """False as soon as one known value fails; None when some are unknown and none fails."""
+    if any(v is not None and not pred(v) for v in values):
+        return False
     if not values or any(v is None for v in values):
         return None
-    return all(pred(v) for v in values)
+    return True
+
+
+def bound_below(res: Mapping[str, Any], key: str = "9") -> list[tuple[str, float, float]]:
+    """Policies that beat ``pooled-bound`` (name, their tok/s, the bound's): where it is no upper bound."""
+    pol = res["policies"]
+    if "pooled-bound" not in pol:
+        return []
+    b = pol["pooled-bound"][f"tokens_per_s_{key}"]
+    return [(n, r[f"tokens_per_s_{key}"], b) for n, r in pol.items()
+            if n != "pooled-bound" and r[f"tokens_per_s_{key}"] > b]
 
 
 def sim_summary_checks(sims: Mapping[str, Mapping[str, Any]]) -> dict[str, bool | None]:

@@ -9,7 +9,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from loadgen.plots import plot_rate_sweep  # noqa: E402
 
 OWN_COLOR = "#4c72b0"
 LEASE_ALPHA = 0.35
@@ -23,12 +22,41 @@ def sweep_points(result: Mapping[str, Any]) -> dict[str, list[tuple[float, float
     return {p: sorted(v) for p, v in out.items() if v}
 
 
-def plot_sweep(result: Mapping[str, Any], path: str | Path, title: str) -> Path | None:
-    """Throughput and violations vs rate scale per policy (None when the result has no runs)."""
+def plot_sweep(result: Mapping[str, Any], path: str | Path, title: str,
+               bounds: tuple[float, ...] = (0.09, 0.01)) -> Path | None:
+    """Token throughput and SLA violations vs rate scale (log axis), one line per policy, a star at each
+    policy's max sustainable point (≤ 9%); None when the result has no runs."""
     pts = sweep_points(result)
     if not pts:
         return None
-    return plot_rate_sweep(pts, path, title=title)
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (policy, xs) in enumerate(pts.items()):
+        color = plt.get_cmap("tab10")(i % 10)
+        scales = [p[0] for p in xs]
+        ax_t.plot(scales, [p[1] for p in xs], marker="o", markersize=3, color=color, label=policy)
+        ax_v.plot(scales, [100 * p[2] for p in xs], marker="o", markersize=3, color=color, label=policy)
+        best = result.get("policies", {}).get(policy, {})
+        if best.get("max_scale_9"):
+            ax_t.plot([best["max_scale_9"]], [best["tokens_per_s_9"]], marker="*", markersize=12, color=color,
+                      markeredgecolor="black", linestyle="none")
+    for b in bounds:
+        ax_v.axhline(100 * b, color="grey", linestyle="--", linewidth=0.8)
+        ax_v.annotate(f"{100 * b:g}%", xy=(1.0, 100 * b), xycoords=("axes fraction", "data"), fontsize=8,
+                      color="grey", ha="right", va="bottom")
+    ax_t.set(xlabel="rate scale (log)", ylabel="token throughput (tok/s)",
+             title="throughput (★ = max sustainable at ≤ 9%)")
+    ax_v.set(xlabel="rate scale (log)", ylabel="SLA violations (%)", title="violations")
+    for ax in (ax_t, ax_v):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
 
 
 def plot_timeline(tl: Mapping[str, Any], path: str | Path, title: str) -> Path:

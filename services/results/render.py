@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from services.results.checks import emulated_checks, real_checks, sim_checks, sim_summary_checks
+from services.results.checks import bound_below, emulated_checks, real_checks, sim_checks, sim_summary_checks
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SIM_ORDER = ("azure-16mix-a0.7", "azure-16mix-a1.3", "azure-16mix-a2.1", "servegen-16mix")
@@ -115,6 +115,13 @@ def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
         lines.append(f"| {w} | {fmt(c['ratio_9'])} | {fmt(c['ratio_1'])} | {pct(c['captured_9'])} | "
                      f"{pct(c['captured_1'])} | {yesno(c['ahead_9'])} |")
     lines += ["", "Targets (≤ 9%): " + "; ".join(f"{k}: {yesno(v)}" for k, v in summ.items()), ""]
+    for w, res in sims.items():
+        for key in ("9", "1"):
+            above = bound_below(res, key)
+            if above:
+                lines += [f"Note: on {w} at ≤ {key}%, `pooled-bound` ({fmt(above[0][2], '.1f')} tok/s) is below "
+                          + ", ".join(f"`{n}` ({fmt(t, '.1f')})" for n, t, _ in above)
+                          + ": it is not an upper bound there, so shares of its gain are not meaningful.", ""]
     for w, res in sims.items():
         lines += [f"### {w} (simulated)", ""] + provenance(res["meta"]) + [""] + policy_table(res) + [""]
         png = out_dir / f"sim-{w}.png"

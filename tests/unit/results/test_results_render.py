@@ -106,3 +106,16 @@ def test_bad_part_is_one_line_exit_2(capsys):
     assert main(["bench", "results", "--only", "sim,gpu", "--render-only"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gpu" in err[0] and "valid" in err[0]
+
+
+def test_a_bound_that_is_no_upper_bound_is_called_out(out, tmp_path):
+    import json
+
+    from services.results.render import results_markdown
+    p = out / "sim-azure-16mix-a1.3.json"
+    res = json.loads(p.read_text())
+    res["policies"]["pooled-bound"]["tokens_per_s_9"] = 7000.0
+    p.write_text(json.dumps(res))
+    text = results_markdown(load_results(out), out, tmp_path / "docs" / "results.md")
+    assert "on azure-16mix-a1.3 at ≤ 9%, `pooled-bound` (7000.0 tok/s) is below `slice` (8000.0)" in text
+    assert "at ≤ 1%, `pooled-bound`" not in text

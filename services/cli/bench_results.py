@@ -51,7 +51,7 @@ class Search:
 
 
 FULL = {"sim": Search(None, 4.0, 0.04, 256.0), "mesh": Search(None, 1.0, 0.1, 32.0)}
-QUICK = {"sim": Search(60.0, 4.0, 0.25, 64.0), "mesh": Search(20.0, 1.0, 0.5, 8.0)}
+QUICK = {"sim": Search(60.0, 4.0, 0.25, 64.0), "mesh": Search(20.0, 1.0, 0.25, 32.0)}
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -30,15 +30,15 @@ class SliceConfig(PolicyConfig):
     lease_s: float = 2.0
     sequence_lease_s: float = 5.0  # "sequences" leases (whole iterations of new sequences on the guest)
     sequences: bool = True  # also consider the second mode
-    max_sequence_leases: int = 4  # per home device
-    share_max: float = 0.6  # most of a busy guest's time one lease may take
+    max_sequence_leases: int = 8  # per home device
+    share_max: float = 0.8  # most of a busy guest's time one lease may take
     min_share: float = 0.1
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit
     max_leases: int = 3  # leases one home device may hold at once
     guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
     tick_s: float = 0.2
     min_seek_interval_s: float = 0.05
-    max_commits: int = 1  # leases committed per decision (on distinct guests)
+    max_commits: int = 3  # leases committed per decision (on distinct guests; one segments lease at most)
     horizon_s: float = 1.0
 
 

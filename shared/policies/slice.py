@@ -31,7 +31,7 @@ class SliceConfig(PolicyConfig):
     sequence_lease_s: float = 5.0  # "sequences" leases (whole iterations of new sequences on the guest)
     sequences: bool = True  # also consider the second mode
     max_sequence_leases: int = 8  # per home device
-    share_max: float = 0.8  # most of a busy guest's time one lease may take
+    share_max: float = 0.6  # most of a busy guest's time one lease may take
     min_share: float = 0.1
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit
     max_leases: int = 3  # leases one home device may hold at once

@@ -162,7 +162,10 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
                        hook=rec)
     tl = rec.pick_busiest("slice")
     if tl is not None:
-        _save(out / f"{fidelity}-timeline.json", dict(tl, meta=dict(res["meta"], wall_s=None)))
+        per_point = sorted([s_, len(t["leases"]), t.get("violation_rate")] for (p, s_), t in rec.points.items()
+                           if p == "slice")
+        _save(out / f"{fidelity}-timeline.json", dict(tl, leases_per_point=per_point,
+                                                      meta=dict(res["meta"], wall_s=None)))
     else:  # never leave an older run's timeline beside this run's numbers
         (out / f"{fidelity}-timeline.json").unlink(missing_ok=True)
         (out / f"{fidelity}-timeline.png").unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -143,6 +144,10 @@ def _timeline_lines(tl: Mapping[str, Any] | None, png: Path, md: Path, label: st
                 if label == "emulated mesh" else ""), "",
              "| device (home tenant) | own work (s) | guest work (s) | lease windows hosted (s) | leases hosted |",
              "|---|---:|---:|---:|---:|"]
+    if tl.get("leases_per_point"):
+        lines[-2:-2] = ["Leases hosted at each `slice` point of the search (rate scale: lease windows, violations): "
+                        + ", ".join(f"{fmt(sc, '.3g')}: {n} ({pct(v)})" for sc, n, v in tl["leases_per_point"])
+                        + ".", ""]
     for d, b in tl.get("busy", {}).items():
         lines.append(f"| {d} ({tl['devices'].get(d, '?')}) | {fmt(b['own_s'], '.2f')} | {fmt(b['guest_s'], '.2f')} | "
                      f"{fmt(b['lease_window_s'], '.1f')} | {b['leases']} |")
@@ -299,10 +304,10 @@ def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
 def replace_block(text: str, block: str, *, heading: str = "## Results") -> str:
     """``text`` with what lies between the markers replaced by ``block``; the markers are added (under
     ``heading``, appended when missing) the first time. Nothing outside the markers changes."""
-    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
-        a = text.index(BEGIN) + len(BEGIN)
-        b = text.index(END)
-        return text[:a] + "\n" + block.rstrip("\n") + "\n" + text[b:]
+    begin = re.search(rf"^{re.escape(BEGIN)}[ \t]*$", text, re.M)  # a marker is a line of its own, never prose
+    end = re.search(rf"^{re.escape(END)}[ \t]*$", text[begin.end():], re.M) if begin else None
+    if begin and end:
+        return text[:begin.end()] + "\n" + block.rstrip("\n") + "\n" + text[begin.end() + end.start():]
     new = f"{BEGIN}\n{block.rstrip(chr(10))}\n{END}\n"
     lines = text.splitlines(keepends=True)
     for i, line in enumerate(lines):

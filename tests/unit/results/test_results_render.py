@@ -63,6 +63,7 @@ def test_render_only_writes_pages_and_figures(out, tmp_path):
                    "| cpu1 (tiny-b) | 0.10 | 0.72 |"):
         assert needle in text, needle
     assert "1.20× — **no**" in text  # real target missed, said so
+    assert "(rate scale: lease windows, violations): 1: 0 (0.0%), 1.2: 1 (6.0%)." in text
     assert "_No emulated mesh timeline recorded._" in text
     r = readme.read_text()
     assert r.startswith("# Project\n\nIntro.\n\n## Results\n\n" + BEGIN) and r.endswith("Kept text below.\n")
@@ -96,6 +97,8 @@ def test_replace_block_only_touches_the_markers():
     assert once == f"# T\n\n## Results\n\n{BEGIN}\nX\n{END}\n"
     text = f"head\n{BEGIN}\nold\nlines\n{END}\ntail {BEGIN[:4]}\n"
     assert replace_block(text, "new\n") == f"head\n{BEGIN}\nnew\n{END}\ntail {BEGIN[:4]}\n"
+    prose = f"Between `{BEGIN}` and `{END}` lies the block.\n\n## Results\n\n{BEGIN}\nold\n{END}\n"
+    assert replace_block(prose, "new") == prose.replace("\nold\n", "\nnew\n")  # markers quoted in prose: kept
 
 
 def test_fmt_never_prints_nan():

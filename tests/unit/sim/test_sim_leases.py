@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from shared.policies.actions import GrantLease, Placement, Trigger
 from shared.policies.base import Policy
 from shared.sim import SimConfig, Simulator
@@ -52,7 +54,7 @@ def test_sequences_lease_stages_runs_on_the_guest_and_drains():
     assert lease.staged_new_bytes == wb
     # staged over NVLink: active after latency + bytes / bandwidth
     nv = sim.devices["d0"].profile.link("nvlink")
-    assert lease.active_from - lease.start == __import__("pytest").approx(nv.latency_s + wb / nv.bandwidth)
+    assert lease.active_from - lease.start == pytest.approx(nv.latency_s + wb / nv.bandwidth)
     on_guest = [q for q in sim.requests if q.engine.device.parent is not None]
     assert on_guest and all(q.status == 2 for q in sim.requests)
     d1 = sim.devices["d1"]
@@ -65,7 +67,7 @@ def test_sequences_lease_stages_runs_on_the_guest_and_drains():
 def test_segments_lease_offloads_prefill_iterations():
     reqs = [WorkloadRequest(f"a{i}", 0.2 + 0.002 * i, "t0", 2000, 5) for i in range(12)]
     sim, r = _run("segments", reqs)
-    base_sim, base = _run("segments", [])  # no work: nothing offloaded
+    _, base = _run("segments", [])  # no work: nothing offloaded
     assert r.leases["offloaded_iterations"] > 0 and base.leases["offloaded_iterations"] == 0
     assert r.leases["activation_bytes_moved"] > 0
     lease = sim.leases.finished[0]

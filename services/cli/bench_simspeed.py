@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     build_s = time.perf_counter() - t0
     out = simulate(cluster, w, args.policy, seed=args.seed)
     res = {"wall_s": out["wall_s"], "events": out["events"], "events_per_s": out["events_per_s"],
-           "requests": len(w.requests), "simulated_s": out["end_s"], "speedup_vs_real_time": out["end_s"] / out["wall_s"],
+           "requests": len(w.requests), "simulated_s": out["end_s"],
+           "speedup_vs_real_time": out["end_s"] / out["wall_s"],
            "workload_build_s": build_s, "tokens_per_s": out["tokens_per_s"], "violation_rate": out["violation_rate"],
            "policy": args.policy, "devices": len(cluster.devices), "tenants": len(w.tenants.tenants),
            "trace": trace, "alpha": args.alpha, "rate_scale": args.rate_scale, "seed": args.seed}

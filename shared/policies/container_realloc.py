@@ -67,7 +67,8 @@ class ContainerReallocPolicy(Policy):
         for _ in range(cfg.max_moves):
             short = max(target, key=lambda t: target[t] - have.get(t, 0))
             over = max(target, key=lambda t: have.get(t, 0) - target[t])
-            if target[short] - have.get(short, 0) < cfg.min_deficit or have.get(over, 0) - target[over] < cfg.min_deficit \
+            if target[short] - have.get(short, 0) < cfg.min_deficit \
+                    or have.get(over, 0) - target[over] < cfg.min_deficit \
                     or have.get(over, 0) <= 1:
                 break
             movable = [d for d in self.devices_of[over] if not snapshot.devices[d].draining]

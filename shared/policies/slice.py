@@ -5,8 +5,10 @@ slack is low, a periodic forecast tick, a lease ends or is revoked). For a tenan
 bounded candidate set — guest devices ranked by predicted idleness, free memory and link bandwidth; for each, the
 MLP segments to move (staged ones first; as many layers as balance home and guest time) and the share of the
 guest's time its own tenant can spare — asks the what-if for all of them at once and commits the best one that
-helps enough. It never grants a lease whose predicted worst case pushes the guest's own tenant past (a margin of)
-its SLA, and revokes leases on a device whose own tenant becomes at risk.
+helps enough (plus up to ``max_commits`` − 1 more "sequences" leases on other guests when a burst needs them).
+It never grants a lease whose predicted worst case pushes the guest's own tenant past (a margin of) its SLA; at
+run time the guest's own work comes first, and leases are revoked when the guest's tenant needs the memory
+they pin.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ class SimDevice:
 
     __slots__ = ("id", "kind", "host", "profile", "mem", "engines", "sharing", "weights", "cur", "cur_start",
                  "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "hosted", "last_engine",
-                 "quantum_used", "quantum", "schedule", "switch_cost", "state", "pending_switch_s", "switches", "used_s",
+                 "quantum_used", "quantum", "schedule", "switch_cost", "state", "pending_switch_s", "switches",
+                 "used_s",
                  "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin")
 
     def __init__(self, cfg: DeviceConfig, profile: DeviceProfile, headroom_fraction: float,

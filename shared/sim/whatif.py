@@ -128,7 +128,8 @@ class WhatIf:
                 parts.append(OffloadPart(g.id, len(lease.segments), lease.share,
                                          load_profile(home.kind).link(snap.link_kind(home.id, g.id)),
                                          self.cost(ten, g.kind)))
-                shares.append(lease.share if (g.busy or g.outstanding) else max(lease.share, 1.0 - g.guest_share + lease.share))
+                idle_share = max(lease.share, 1.0 - g.guest_share + lease.share)
+                shares.append(lease.share if (g.busy or g.outstanding) else idle_share)
         base_s = local_s
         if parts:
             base_s = min(local_s, offloaded_iteration_time(hcost, parts, shares, b, home.decode_kv_tokens, p,

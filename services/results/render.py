@@ -108,7 +108,11 @@ def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
     if not sims:
         return lines + ["_Not run yet._", ""]
     summ = sim_summary_checks(sims)
+    metas = [r["meta"] for r in sims.values()]
     lines += ["### Summary (simulated)", "",
+              f"Fidelity **simulated**; {metas[0]['machine']}; {', '.join(sorted({m['date'] for m in metas}))}; "
+              "produced by " + ", ".join(f"`{c}`" for c in dict.fromkeys(m["results_command"] for m in metas))
+              + " (each workload's exact `bench compare` command is given below).", "",
               "| workload | slice × container ≤9% | ≤1% | slice's share of pooled-bound gain ≤9% | ≤1% | "
               "ahead of container-realloc, muxserve, token-pool ≤9% |", "|---|---:|---:|---:|---:|---|"]
     for w, res in sims.items():
@@ -129,6 +133,22 @@ def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
         if png.is_file():
             lines += [f"![{w}: throughput and violations vs rate scale, simulated]({_rel(png, md)})", ""]
     return lines
+
+
+NO_LEASE_NOTE = ("`slice` hosted no lease at any of its measured points within 9% violations here, so this ratio "
+                 "is run-to-run variance, not leased slices (details in the results page).")
+
+
+def lease_caveat(tl: Mapping[str, Any] | None, bound: float = 0.09) -> str | None:
+    """A warning when ``slice`` hosted no lease at any of its search points within ``bound``: its ratio to
+    container there cannot come from leased slices."""
+    pts = (tl or {}).get("leases_per_point") or []
+    ok = [n for _, n, v in pts if v is not None and v <= bound]
+    if ok and not any(ok):
+        return ("**Caution:** `slice` hosted no lease at any of its points within 9% violations (see the device "
+                "busy time below), so its ratio to `container` here does not come from leased slices; it is "
+                "run-to-run variance of this shared machine and of the short, coarse quick search.")
+    return None
 
 
 def _timeline_lines(tl: Mapping[str, Any] | None, png: Path, md: Path, label: str) -> list[str]:
@@ -178,6 +198,8 @@ def emulated_section(em: Mapping[str, Any] | None, pred: Mapping[str, Any] | Non
                          f"{pct(c[f'difference_{key}'])} | {yesno(c[f'same_order_{key}'])} |")
         lines += ["", f"Targets (≤ 9%): within 15% of the prediction: {yesno(c['within_15'])}; same ordering: "
                       f"{yesno(c['same_order_9'])}.", ""]
+        if lease_caveat(tl):
+            lines += [lease_caveat(tl), ""]
     for name, res, label in (("emulated", em, "emulated mesh"), ("emulated-prediction", pred, "simulated")):
         png = out_dir / f"{name}.png"
         if res and png.is_file():
@@ -194,8 +216,12 @@ def real_section(real: Mapping[str, Any] | None, tl: Mapping[str, Any] | None, o
         return lines + ["_Not run yet._", ""]
     c = real_checks(real)
     lines += provenance(real["meta"]) + [""] + policy_table(real) + [""]
+    caveat = lease_caveat(tl)
+    verdict = "**not met** (no lease ran, see below)" if caveat else yesno(c["meets"])
     lines += [f"Target: slice ≥ 1.3× container in measured tokens/s at ≤ 9% violations: "
-              f"{fmt(c['ratio_9'])}× — {yesno(c['meets'])}.", ""]
+              f"{fmt(c['ratio_9'])}× — {verdict}.", ""]
+    if caveat:
+        lines += [caveat, ""]
     png = out_dir / "real.png"
     if png.is_file():
         lines += [f"![throughput and violations vs rate scale, real CPU mesh]({_rel(png, md)})", ""]
@@ -256,11 +282,12 @@ def results_markdown(results: Mapping[str, Any], out_dir: Path, md: Path, result
 
 
 def _setup(m: Mapping[str, Any], *extra: str) -> str:
-    """``(devices, N tenants, …; machine; date[; quick settings][; shortened trace])``."""
+    """``(devices, N tenants, …; machine; date[; quick settings][; first D s of the trace]; command)``."""
     what = ", ".join(x for x in (m.get("devices"), f"{m['tenants']} tenants" if m.get("tenants") else None, *extra)
                      if x)
-    tags = [x for x in (what, m["machine"], m["date"], "quick settings" if m.get("quick") else "",
-                        "shortened trace" if m.get("shortened") else "") if x]
+    window = f"first {fmt(m.get('duration_s'), 'g')} s of the trace" if m.get("shortened") else ""
+    tags = [x for x in (what, m["machine"], m["date"], "quick settings" if m.get("quick") else "", window,
+                        f"`{m['results_command']}`" if m.get("results_command") else "") if x]
     return "(" + "; ".join(tags) + ")"
 
 
@@ -290,6 +317,8 @@ def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
                   "|---:|---:|---:|---|",
                   f"| {fmt(sim_checks(em)['ratio_9'])} | {fmt(c['predicted_9']) if c else '–'} | "
                   f"{pct(c['difference_9']) if c else '–'} | {yesno(c['same_order_9']) if c else '–'} |", ""]
+        if lease_caveat(results["emulated_timeline"]):
+            lines += [NO_LEASE_NOTE, ""]
     real = results["real"]
     if real:
         m = real["meta"]
@@ -298,6 +327,8 @@ def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
                   "| container tok/s ≤9% | slice tok/s ≤9% | slice × container |", "|---:|---:|---:|",
                   f"| {fmt(p.get('container', {}).get('tokens_per_s_9'), '.1f')} | "
                   f"{fmt(p.get('slice', {}).get('tokens_per_s_9'), '.1f')} | {fmt(real_checks(real)['ratio_9'])} |", ""]
+        if lease_caveat(results["real_timeline"]):
+            lines += [NO_LEASE_NOTE, ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

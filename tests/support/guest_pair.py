@@ -169,6 +169,20 @@ class GuestPair:
                         o.finish = msg.finish_reason
         return outcomes
 
+    async def wait_tokens(self, gateway: str, n: int, timeout_s: float = 30.0) -> int:
+        """Wait until ``gateway``'s tokens stream holds at least ``n`` tokens in all (it reads, never consumes:
+        ``collect`` reads the stream again from the start)."""
+        stream, last, seen = tokens_stream(self.p, gateway), "0", 0
+        deadline = time.monotonic() + timeout_s
+        while seen < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{gateway}: {seen} of {n} tokens")
+            for _, entries in await self.redis.xread({stream: last}, count=500, block=50) or []:
+                for eid, fields in entries:
+                    last = eid
+                    seen += len(decode(entry_payload(fields), TokensMsg).token_ids or ())
+        return seen
+
     async def run(self, device: str, tenant: str, prompts: list[list[int]], max_tokens: int,
                   timeout_s: float = 60.0) -> dict[int, Outcome]:
         gw = f"gw{uuid.uuid4().hex[:6]}"

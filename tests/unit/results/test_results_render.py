@@ -122,3 +122,10 @@ def test_a_bound_that_is_no_upper_bound_is_called_out(out, tmp_path):
     text = results_markdown(load_results(out), out, tmp_path / "docs" / "results.md")
     assert "on azure-16mix-a1.3 at ≤ 9%, `pooled-bound` (7000.0 tok/s) is below `slice` (8000.0)" in text
     assert "at ≤ 1%, `pooled-bound`" not in text
+
+
+def test_a_ratio_without_any_lease_is_flagged():
+    from services.results.render import lease_caveat
+    assert lease_caveat({"leases_per_point": [[1.0, 0, 0.0], [2.0, 0, 0.05], [4.0, 3, 0.4]]}) is not None
+    assert lease_caveat({"leases_per_point": [[1.0, 0, 0.0], [2.0, 1, 0.05]]}) is None
+    assert lease_caveat({"leases_per_point": [[4.0, 3, 0.4]]}) is None and lease_caveat(None) is None

@@ -27,8 +27,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def _stream(url: str, key: str, model: str, max_tokens: int) -> dict:
-    out = {"tokens": 0, "error": None, "done": False, "end_ts": None}
+async def _stream(url: str, key: str, model: str, max_tokens: int, out: dict | None = None) -> dict:
+    out = {"tokens": 0, "error": None, "done": False, "end_ts": None} if out is None else out
     body = {"model": model, "prompt": "kill test", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         async with s.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
@@ -51,9 +51,13 @@ async def test_sigkill_worker_mid_stream_ends_requests_clearly(tmp_path):
     try:
         pid = mesh.pid_of("worker", "cpu0")
         assert pid and _alive(pid)
-        tasks = [asyncio.create_task(_stream(mesh.gateway, "sk-dev-tiny-a-0001", "tiny-a", 1900)) for _ in range(4)]
+        live = [{"tokens": 0, "error": None, "done": False, "end_ts": None} for _ in range(4)]
+        tasks = [asyncio.create_task(_stream(mesh.gateway, "sk-dev-tiny-a-0001", "tiny-a", 1900, o)) for o in live]
         other = asyncio.create_task(_stream(mesh.gateway, "sk-dev-tiny-b-0001", "tiny-b", 32))
-        await asyncio.sleep(1.5)
+        deadline = time.monotonic() + 30  # kill once every stream is decoding (a fixed sleep races a fast machine)
+        while not all(o["tokens"] >= 2 for o in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert not any(o["done"] or o["error"] for o in live), live
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)

@@ -29,6 +29,9 @@ log = structlog.get_logger()
 TOKENS_MAXLEN = 200_000
 EVENTS_MAXLEN = 200_000
 HEARTBEAT_S = 0.5
+BURST_MAX_S = 0.05  # longest run of home steps without a pass through the event loop
+PUBLISH_BACKLOG = 8  # steps whose tokens wait to be published before a burst of steps ends
+PUBLISH_LIMIT = 64  # ... and before the compute loop waits for the publisher
 
 
 class WorkerService:
@@ -50,7 +53,7 @@ class WorkerService:
         self.pending_ops: list[tuple[str, object]] = []  # ("add", (req, entry_id, blocks)) | ("cancel", (rid, reason))
         self.wake = asyncio.Event()
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{device.id}")
-        self.publish_q: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self.publish_q: asyncio.Queue = asyncio.Queue()  # bounded by _burst (PUBLISH_BACKLOG)
         self.consumer = StreamConsumer(cmd=self.redis, blocking=self.blocking, stream=worker_stream(self.p, device.id),
                                        group=GROUP_WORKER, consumer=device.id, types=WorkerMsg, handler=self._on_msg,
                                        dead_stream=dead_stream(self.p), min_idle_ms=60_000)
@@ -202,10 +205,15 @@ class WorkerService:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            t0 = time.time()
+            while self.publish_q.qsize() >= PUBLISH_LIMIT and not self.shell.stop.is_set():
+                await asyncio.sleep(0.005)  # the publisher is behind (Redis slow or away): stop computing ahead
             try:
-                res = await loop.run_in_executor(self.compute, self._step if eng is self.engine else
-                                                 functools.partial(self._lane_step, eng))
+                if eng is self.engine:
+                    await loop.run_in_executor(self.compute, self._burst, loop)
+                else:
+                    t0 = time.time()
+                    res = await loop.run_in_executor(self.compute, functools.partial(self._lane_step, eng))
+                    self._after_step(eng, t0, time.time(), res)
             except Exception as e:  # a failed step fails its batch, not the worker
                 log.exception("engine_step_failed")
                 running = set(eng.running_ids())  # the failed batch; waiting requests were not in it
@@ -214,16 +222,33 @@ class WorkerService:
                         eng.cancel(rid)
                         await self._end(rid, "failed", error=(500, "engine_error", f"generation failed: {e!r}"))
                 continue
-            t1 = time.time()
-            self._busy_s += t1 - t0
-            if eng is self.engine:
-                self.agg.add_step(t0, t1, res.prefill_tokens + res.decode_tokens, res.segment_ms)
-            else:
-                self.agg.add_guest_step(next((ln.tenant for ln in self.lanes.lanes.values() if ln.engine is eng), "?"),
-                                        t0, t1)
-            if self.lanes is not None:
-                self.lanes.record(eng is not self.engine, t0, t1)
-            await self.publish_q.put(res.events)
+
+    def _burst(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Home steps back to back on the compute thread, each step's results handed to the event loop as it ends
+        (no event-loop round trip between steps). Ends after one step when anything needs the loop between
+        steps: a request to add or cancel, guest lanes to interleave, a publishing backlog, a stop, or
+        ``BURST_MAX_S`` of stepping."""
+        start = time.monotonic()
+        while True:
+            t0 = time.time()
+            res = self._step()
+            loop.call_soon_threadsafe(self._after_step, self.engine, t0, time.time(), res)
+            if (self.pending_ops or self.shell.stop.is_set() or not self.engine.has_work()
+                    or (self.lanes is not None and self.lanes.lanes) or self.publish_q.qsize() >= PUBLISH_BACKLOG
+                    or time.monotonic() - start > BURST_MAX_S):
+                return
+
+    def _after_step(self, eng, t0: float, t1: float, res) -> None:
+        """On the event loop after each step: accounting and the hand-off of its tokens to the publisher."""
+        self._busy_s += t1 - t0
+        if eng is self.engine:
+            self.agg.add_step(t0, t1, res.prefill_tokens + res.decode_tokens, res.segment_ms)
+        else:
+            self.agg.add_guest_step(next((ln.tenant for ln in self.lanes.lanes.values() if ln.engine is eng), "?"),
+                                    t0, t1)
+        if self.lanes is not None:
+            self.lanes.record(eng is not self.engine, t0, t1)
+        self.publish_q.put_nowait(res.events)
 
     async def _stage_lanes(self, loop) -> None:
         """Stage guest-lane engines ("sequences" leases) between iterations, on the compute thread."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from shared.requests_state import TERMINAL_STATES, TerminalFence, req_key
 from shared.service import ServiceShell, instance_id, run_tasks
 from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.worker.core import StepAggregator, Tracker
+from services.worker.direct_publish import DirectPublisher
 
 log = structlog.get_logger()
 
@@ -54,6 +56,12 @@ class WorkerService:
         self.wake = asyncio.Event()
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{device.id}")
         self.publish_q: asyncio.Queue = asyncio.Queue()  # bounded by _burst (PUBLISH_BACKLOG)
+        # steps' events handed to the loop's publisher and not yet published; the compute thread publishes a step
+        # itself (services/worker/direct_publish.py) only when this is zero, so chunks keep their order
+        self._loop_pending = 0
+        self._pending_lock = threading.Lock()
+        self.direct = None if os.environ.get("SLICESCHED_DIRECT_PUBLISH", "1") == "0" else \
+            DirectPublisher(settings.redis_url, maxlen=TOKENS_MAXLEN, name=f"worker-{device.id}-pub")
         self.consumer = StreamConsumer(cmd=self.redis, blocking=self.blocking, stream=worker_stream(self.p, device.id),
                                        group=GROUP_WORKER, consumer=device.id, types=WorkerMsg, handler=self._on_msg,
                                        dead_stream=dead_stream(self.p), min_idle_ms=60_000)
@@ -95,6 +103,8 @@ class WorkerService:
             await self._drain()
         finally:
             self.compute.shutdown(wait=False, cancel_futures=True)
+            if self.direct is not None:
+                self.direct.close()
             if self.lease_agent is not None:
                 await self.lease_agent.close()
             await self.shell.close_http()
@@ -213,7 +223,7 @@ class WorkerService:
                 else:
                     t0 = time.time()
                     res = await loop.run_in_executor(self.compute, functools.partial(self._lane_step, eng))
-                    self._after_step(eng, t0, time.time(), res)
+                    self._after_step(eng, t0, time.time(), res, self._to_loop(res.events))
             except Exception as e:  # a failed step fails its batch, not the worker
                 log.exception("engine_step_failed")
                 running = set(eng.running_ids())  # the failed batch; waiting requests were not in it
@@ -232,14 +242,47 @@ class WorkerService:
         while True:
             t0 = time.time()
             res = self._step()
-            loop.call_soon_threadsafe(self._after_step, self.engine, t0, time.time(), res)
+            t1 = time.time()
+            loop.call_soon_threadsafe(self._after_step, self.engine, t0, t1, res, self._publish_direct(res.events))
             if (self.pending_ops or self.shell.stop.is_set() or not self.engine.has_work()
                     or (self.lanes is not None and self.lanes.lanes) or self.publish_q.qsize() >= PUBLISH_BACKLOG
                     or time.monotonic() - start > BURST_MAX_S):
                 return
 
-    def _after_step(self, eng, t0: float, t1: float, res) -> None:
-        """On the event loop after each step: accounting and the hand-off of its tokens to the publisher."""
+    def _publish_direct(self, events: list) -> list:
+        """On the compute thread: publish a step's chunks here when none finishes a request and the loop has
+        nothing left to publish; returns the events the loop's publisher must still handle."""
+        if self.direct is None or self._loop_pending or not self.direct.available():
+            return self._to_loop(events)
+        todo = []
+        for ev in events:
+            if ev.finish_reason is not None:
+                return self._to_loop(events)
+            t = self.tracker.items.get(ev.request_id)
+            if t is not None and ev.token_ids:
+                todo.append((t, ev))
+        if not todo:
+            return []
+        chunks = [(tokens_stream(self.p, t.req.gateway),
+                   self.tracker.chunk(t, ev.token_ids, ev.text, None, ev.prompt_tokens, ev.completion_tokens))
+                  for t, ev in todo]
+        if not self.direct.publish(chunks):
+            for t, _ in todo:  # the loop rebuilds these chunks with the same seq numbers
+                t.seq -= 1
+            return self._to_loop(events)
+        for t, ev in todo:
+            self.m_tokens.labels(self.device.id, t.req.tenant).inc(len(ev.token_ids))
+        return []
+
+    def _to_loop(self, events: list) -> list:
+        if events:
+            with self._pending_lock:
+                self._loop_pending += 1
+        return events
+
+    def _after_step(self, eng, t0: float, t1: float, res, events: list) -> None:
+        """On the event loop after each step: accounting and the hand-off of its remaining events to the
+        publisher (``events``: what the compute thread did not publish itself)."""
         self._busy_s += t1 - t0
         if eng is self.engine:
             self.agg.add_step(t0, t1, res.prefill_tokens + res.decode_tokens, res.segment_ms)
@@ -248,7 +291,8 @@ class WorkerService:
                                     t0, t1)
         if self.lanes is not None:
             self.lanes.record(eng is not self.engine, t0, t1)
-        self.publish_q.put_nowait(res.events)
+        if events:
+            self.publish_q.put_nowait(events)
 
     async def _stage_lanes(self, loop) -> None:
         """Stage guest-lane engines ("sequences" leases) between iterations, on the compute thread."""
@@ -305,7 +349,11 @@ class WorkerService:
                 self.m_tokens.labels(self.device.id, t.req.tenant).inc(len(ev.token_ids))
                 if ev.finish_reason is not None:
                     finished.append((ev.request_id, ev.finish_reason))
-            await self._publish(items, finished)
+            try:
+                await self._publish(items, finished)
+            finally:
+                with self._pending_lock:
+                    self._loop_pending -= 1
 
     async def _publish(self, items: list, finished: list[tuple[str, str]]) -> None:
         """Claim the finished requests' terminal state, publish the chunks, end the requests; retried on Redis

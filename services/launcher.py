@@ -69,6 +69,7 @@ class Launcher:
         self.cluster, self.data_dir, self.prefix = cluster, data_dir, prefix
         self.cluster_file, self.tenants_file = cluster_file, tenants_file
         self.gateway_host = gateway_host
+        self._auto_port = not gateway_port  # a free port was picked here: another one is tried if it is taken
         self.gateway_port = gateway_port or free_port(gateway_host)
         self.policy, self.log_format, self.out = policy, log_format, out
         self.redis_url = redis_url
@@ -109,13 +110,30 @@ class Launcher:
 
     # ------------------------------------------------------------ start / wait / stop
     def start(self, timeout_s: float = 180.0) -> None:
-        if not self.redis_url:
-            self.redis_server = RedisServer(self.data_dir / "redis").start()
-            self.redis_url = self.redis_server.url
-        self.children = self.plan()
-        for c in self.children:
-            c.start()
-        self.wait_healthy(timeout_s)
+        """Start Redis (unless given) and every service, and wait until all are healthy; on any failure whatever
+        was started is stopped again (no orphans) and the error raised."""
+        try:
+            if not self.redis_url:
+                self.redis_server = RedisServer(self.data_dir / "redis").start()
+                self.redis_url = self.redis_server.url
+            self.children = self.plan()
+            for c in self.children:
+                c.start()
+            for attempt in range(3):
+                try:
+                    self.wait_healthy(timeout_s)
+                    return
+                except RuntimeError:
+                    gw = next(c for c in self.children if c.service == "gateway")
+                    if not (self._auto_port and attempt < 2 and not gw.alive() and "address already in use" in gw.tail()):
+                        raise
+                    # the free port picked at construction was taken meanwhile: pick another, start the gateway again
+                    self.gateway_port = free_port(self.gateway_host)
+                    gw.env = self._env()
+                    gw.start()
+        except BaseException:
+            self.stop(drain_s=2.0)
+            raise
 
     def wait_healthy(self, timeout_s: float) -> None:
         r = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)

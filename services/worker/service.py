@@ -60,6 +60,7 @@ class WorkerService:
         # itself (services/worker/direct_publish.py) only when this is zero, so chunks keep their order
         self._loop_pending = 0
         self._pending_lock = threading.Lock()
+        self._agg_lock = threading.Lock()  # StepAggregator and busy time: written by both threads
         self.direct = None if os.environ.get("SLICESCHED_DIRECT_PUBLISH", "1") == "0" else \
             DirectPublisher(settings.redis_url, maxlen=TOKENS_MAXLEN, name=f"worker-{device.id}-pub")
         self.consumer = StreamConsumer(cmd=self.redis, blocking=self.blocking, stream=worker_stream(self.p, device.id),
@@ -243,7 +244,11 @@ class WorkerService:
             t0 = time.time()
             res = self._step()
             t1 = time.time()
-            loop.call_soon_threadsafe(self._after_step, self.engine, t0, t1, res, self._publish_direct(res.events))
+            events = self._publish_direct(res.events)
+            if events:
+                loop.call_soon_threadsafe(self._after_step, self.engine, t0, t1, res, events)
+            else:  # nothing for the loop: account here, without waking it
+                self._account(self.engine, t0, t1, res)
             if (self.pending_ops or self.shell.stop.is_set() or not self.engine.has_work()
                     or (self.lanes is not None and self.lanes.lanes) or self.publish_q.qsize() >= PUBLISH_BACKLOG
                     or time.monotonic() - start > BURST_MAX_S):
@@ -283,16 +288,22 @@ class WorkerService:
     def _after_step(self, eng, t0: float, t1: float, res, events: list) -> None:
         """On the event loop after each step: accounting and the hand-off of its remaining events to the
         publisher (``events``: what the compute thread did not publish itself)."""
-        self._busy_s += t1 - t0
-        if eng is self.engine:
-            self.agg.add_step(t0, t1, res.prefill_tokens + res.decode_tokens, res.segment_ms)
-        else:
-            self.agg.add_guest_step(next((ln.tenant for ln in self.lanes.lanes.values() if ln.engine is eng), "?"),
-                                    t0, t1)
-        if self.lanes is not None:
-            self.lanes.record(eng is not self.engine, t0, t1)
+        self._account(eng, t0, t1, res)
         if events:
             self.publish_q.put_nowait(events)
+
+    def _account(self, eng, t0: float, t1: float, res) -> None:
+        """Busy time and step statistics (either thread; the heartbeat reads and resets them under the lock)."""
+        guest = None if eng is self.engine else \
+            next((ln.tenant for ln in self.lanes.lanes.values() if ln.engine is eng), "?")
+        with self._agg_lock:
+            self._busy_s += t1 - t0
+            if guest is None:
+                self.agg.add_step(t0, t1, res.prefill_tokens + res.decode_tokens, res.segment_ms)
+            else:
+                self.agg.add_guest_step(guest, t0, t1)
+        if self.lanes is not None:
+            self.lanes.record(guest is not None, t0, t1)  # deque appends: safe from either thread
 
     async def _stage_lanes(self, loop) -> None:
         """Stage guest-lane engines ("sequences" leases) between iterations, on the compute thread."""
@@ -433,8 +444,9 @@ class WorkerService:
 
     async def _heartbeat(self) -> None:
         now = time.monotonic()
-        busy = self._busy_s / max(1e-6, now - self._busy_mark)
-        self._busy_s, self._busy_mark = 0.0, now
+        with self._agg_lock:
+            busy = self._busy_s / max(1e-6, now - self._busy_mark)
+            self._busy_s, self._busy_mark = 0.0, now
         e = self.engine
         kv_used = (e.kv_blocks_total - e.kv_blocks_free) * e.kv_bytes_per_block
         hb = WorkerHeartbeat(msg_id=uuid.uuid4().hex, device=self.device.id, worker_id=self.worker_id,
@@ -448,8 +460,10 @@ class WorkerService:
         items = [(events_stream(self.p), hb)]
         if self.lease_agent is not None:
             for name, rows, ms in self.lease_agent.drain_segment_stats():
-                self.agg.add_segment(name, rows, ms)
-        rep = self.agg.flush(kv_used)
+                with self._agg_lock:
+                    self.agg.add_segment(name, rows, ms)
+        with self._agg_lock:
+            rep = self.agg.flush(kv_used)
         if rep is not None:
             items.append((events_stream(self.p), rep))
         await self.producer.add_many(items, maxlen=EVENTS_MAXLEN)

@@ -2,6 +2,7 @@
 state and the scheduler's own queues, and apply the policy's lease actions through the GMG's atomic commits."""
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -47,6 +48,16 @@ class SnapshotBuilder:
         self.cluster, self.tenants, self.core = cluster, tenants, core
         self.rates = {t.name: TenantRates() for t in tenants.tenants}
         self.home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
+        self._parsed: dict[str, tuple[str, dict]] = {}  # device -> (raw "resident" field, parsed)
+
+    def _resident(self, device: str, raw: str) -> dict[tuple[str, str], int]:
+        """The device row's ``resident`` field (``tenant|segment,…``) as a dict, parsed once per change."""
+        hit = self._parsed.get(device)
+        if hit is not None and hit[0] == raw:
+            return dict(hit[1])
+        parsed = {tuple(f.split("|", 1)): 1 for f in raw.split(",") if "|" in f}
+        self._parsed[device] = (raw, parsed)
+        return dict(parsed)
 
     def build(self, now: float, views: dict[str, DeviceView], rows: dict[str, dict[str, str]],
               assigned: dict[str, tuple], leases: dict[str, LeaseState]) -> ClusterSnapshot:
@@ -61,11 +72,7 @@ class SnapshotBuilder:
             n_home = max(1, len(self.tenants.get(home).home_devices)) if home else 1
             queued = len(q) // n_home
             oldest = min((p.enqueued_ts for p in q.values()), default=math.inf)
-            resident = {}
-            for f in (row.get("resident") or "").split(","):
-                if "|" in f:
-                    t, s = f.split("|", 1)
-                    resident[(t, s)] = 1
+            resident = self._resident(d.id, row.get("resident") or "")
             share = sum(lz.share for lz in leases.values() if lz.guest_device == d.id)
             running = int(row.get("running") or 0) if row else (v.assigned if v else 0)
             devices[d.id] = DeviceState(
@@ -102,27 +109,40 @@ class LeaseManager:
         self.active: dict[str, LeaseState] = {}
         self.granted = self.revoked = self.expired = self.refused = self.extended = 0
         self.activation_bytes = activation_bytes
+        self._resident: set[tuple[str, str, str]] = set()  # (guest, tenant, segment) this scheduler saw staged
         self._seg_bytes = {t.name: {s.name: s.weight_bytes for s in ModelGraph.from_config(t.model.config).segments}
                            for t in tenants.tenants}
 
     async def grant(self, g: GrantLease, now: float) -> LeaseState | None:
+        st, msgs = await self._commit_grant(g, now)
+        if msgs:
+            await self.producer.add_many(msgs)
+        return st
+
+    async def _commit_grant(self, g: GrantLease, now: float) -> tuple[LeaseState | None, list]:
+        """Stage the weights and commit the lease in the GMG; returns the lease and the two LeaseGranted messages
+        still to send (none when refused)."""
         if tuple(g.segments) == ("*",):  # "sequences" mode: the whole model is staged on the guest
             missing = {"*": sum(self._seg_bytes[g.tenant].values())}
         else:
             missing = {s: self._seg_bytes[g.tenant][s] for s in g.segments}
-        staged = await self.leases_store.stage(g.guest_device, g.tenant, missing)
-        if isinstance(staged, Refused) and staged.reason != "already_resident":
-            self.refused += 1
-            log.info("lease_refused", tenant=g.tenant, guest=g.guest_device, reason=staged.reason)
-            return None
         lid = uuid.uuid4().hex[:12]
         lease = Lease(lid, g.tenant, g.guest_device, tuple(g.segments), now, now + g.duration_s,
                       self.activation_bytes, home=g.home_device)
-        res = await self.leases_store.commit(lease)
+        # one commit stages what this scheduler has not seen resident there and commits the lease; if its view
+        # was stale (evicted or staged by someone else meanwhile), the two-step path below
+        res = await self.leases_store.commit(lease, stage={s: n for s, n in missing.items()
+                                                           if (g.guest_device, g.tenant, s) not in self._resident})
+        if isinstance(res, Refused) and res.reason in ("already_resident", "not_resident"):
+            here = await self.leases_store.resident(g.guest_device, g.tenant, missing)
+            self._resident -= {(g.guest_device, g.tenant, s) for s in missing}
+            self._resident |= {(g.guest_device, g.tenant, s) for s in here}
+            res = await self.leases_store.commit(lease, stage={s: n for s, n in missing.items() if s not in here})
         if isinstance(res, Refused):
             self.refused += 1
             log.info("lease_refused", tenant=g.tenant, guest=g.guest_device, reason=res.reason, detail=res.detail)
-            return None
+            return None, []
+        self._resident |= {(g.guest_device, g.tenant, s) for s in missing}
         st = LeaseState(lid, g.tenant, g.home_device, g.guest_device, tuple(g.segments), now, now + g.duration_s,
                         g.memory_bytes + self.activation_bytes, g.share, mode=getattr(g, "mode", "segments"),
                         state="active")
@@ -131,11 +151,10 @@ class LeaseManager:
         msg = dict(lease_id=lid, tenant=g.tenant, home_device=g.home_device, guest_device=g.guest_device,
                    segments=list(g.segments), start_ts=now, end_ts=now + g.duration_s, share=g.share,
                    memory_bytes=st.memory_bytes, mode=st.mode)
-        await self.producer.add_many([(worker_stream(self.p, g.guest_device), LeaseGranted(msg_id=uuid.uuid4().hex, **msg)),
-                                      (worker_stream(self.p, g.home_device), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))])
         log.info("lease_granted", tenant=g.tenant, lease_id=lid, home=g.home_device, guest=g.guest_device,
                  segments=",".join(g.segments), share=round(g.share, 2), mode=st.mode)
-        return st
+        return st, [(worker_stream(self.p, d), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))
+                    for d in (g.guest_device, g.home_device)]
 
     async def revoke(self, lease_id: str, reason: str, state: str = "revoked") -> bool:
         st = self.active.pop(lease_id, None)
@@ -184,13 +203,25 @@ class LeaseManager:
         return True
 
     async def apply(self, actions: list, now: float) -> None:
+        """Revocations and extensions first, in order (a revocation frees memory a grant may need); then every
+        grant's GMG commits concurrently (each is atomic on its own; the GMG refuses what no longer fits) and
+        all their LeaseGranted messages in one round trip."""
         for a in actions:
-            if isinstance(a, GrantLease):
-                await self.grant(a, now)
-            elif isinstance(a, RevokeLease):
+            if isinstance(a, RevokeLease):
                 await self.revoke(a.lease_id, a.reason or "policy")
             elif isinstance(a, ExtendLease):
                 await self.extend(a.lease_id, a.duration_s, now)
+        grants = [a for a in actions if isinstance(a, GrantLease)]
+        if len(grants) == 1:
+            await self.grant(grants[0], now)
+        elif grants:
+            done = await asyncio.gather(*(self._commit_grant(g, now) for g in grants), return_exceptions=True)
+            msgs = [m for d in done if not isinstance(d, BaseException) for m in d[1]]
+            if msgs:  # the committed ones are announced even if another grant hit a Redis error
+                await self.producer.add_many(msgs)
+            for d in done:
+                if isinstance(d, BaseException):
+                    raise d
 
 
 def wall_now() -> float:

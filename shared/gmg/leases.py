@@ -62,23 +62,35 @@ class LeaseStore:
         self.store = store
         self.keys = store.keys
 
-    async def commit(self, lease: Lease, *, require_resident: bool = True) -> int | Refused:
-        """Commit ``lease`` atomically; returns the epoch or a clean :class:`Refused`."""
+    async def commit(self, lease: Lease, *, require_resident: bool = True,
+                     stage: dict[str, int] | None = None) -> int | Refused:
+        """Commit ``lease`` atomically; returns the epoch or a clean :class:`Refused`. ``stage`` (segment ->
+        bytes) stages those of its segments in the same commit (as :meth:`stage` would: refused with
+        ``already_resident`` if one of them is resident there already); the others must be resident."""
         if lease.end_ts <= lease.start_ts or not lease.segments or any("," in s for s in lease.segments):
             return Refused("invalid", lease.guest, "empty window, no segments or a ',' in a segment name")
         k, b = self.keys, self.store.batch()
+        stage = stage or {}
         guards = [(k.lease(lease.lease_id), "state", ("",))]
+        guards += [(k.resident(lease.guest), f"{lease.tenant}|{s}", ("",)) for s in stage]
         if require_resident:
-            guards += [(k.resident(lease.guest), f"{lease.tenant}|{s}", ("*",)) for s in lease.segments]
+            guards += [(k.resident(lease.guest), f"{lease.tenant}|{s}", ("*",)) for s in lease.segments
+                       if s not in stage]
+        items = [Reservation(lease.guest, weights_owner(lease.tenant, s), "weights", lease.tenant, n)
+                 for s, n in stage.items()]
+        if stage:
+            b.hset(k.resident(lease.guest), {f"{lease.tenant}|{s}": n for s, n in stage.items()})
         b.hset(k.lease(lease.lease_id), lease.fields())
         b.add("zadd", k.leases(lease.guest), f"{lease.end_ts:.6f}", lease.lease_id)
         for s in lease.segments:
             b.add("hincrby", k.pins(lease.guest), f"{lease.tenant}|{s}", 1)
-        res = await self.store.commit("lease_commit", [Reservation(lease.guest, lease_owner(lease.lease_id), "lease",
-                                                                   lease.tenant, lease.nbytes)], guards=guards, batch=b)
+        items.append(Reservation(lease.guest, lease_owner(lease.lease_id), "lease", lease.tenant, lease.nbytes))
+        res = await self.store.commit("lease_commit", items, guards=guards, batch=b)
         if isinstance(res, Refused) and res.reason == "conflict":
-            why = "lease_exists" if res.device == "state" else "not_resident"
-            return Refused(why, lease.guest, res.device if why == "not_resident" else lease.lease_id)
+            if res.device == "state":
+                return Refused("lease_exists", lease.guest, lease.lease_id)
+            staged_field = res.device.split("|", 1)[-1] in stage
+            return Refused("already_resident" if staged_field else "not_resident", lease.guest, res.device)
         return res
 
     async def close(self, lease_id: str, state: str = "revoked", reason: str = "") -> Lease | None:
@@ -123,6 +135,12 @@ class LeaseStore:
         return [Lease.from_fields({_s(a): _s(v) for a, v in r.items()}) for r in rows if r]
 
     # ------------------------------------------------------------ staging
+    async def resident(self, device: str, tenant: str, segments) -> set[str]:
+        """Which of ``tenant``'s ``segments`` are resident on ``device`` now (staged or home)."""
+        segs = list(segments)
+        vals = await self.store.redis.hmget(self.keys.resident(device), [f"{tenant}|{s}" for s in segs])
+        return {s for s, v in zip(segs, vals) if v is not None}
+
     async def stage(self, device: str, tenant: str, segments: dict[str, int]) -> int | Refused:
         """Reserve memory for ``segments`` (name -> bytes) of ``tenant`` on ``device`` and mark them resident;
         refused when one is resident there already (staged before, or the device is the tenant's home)."""

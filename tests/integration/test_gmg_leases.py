@@ -100,3 +100,24 @@ async def test_resize_grows_within_limit_only(redis, prefix):
     assert (await store.device("h0"))["reserved"] == "10"
     r = await store.resize("h0", "kv:nope", 5)
     assert isinstance(r, Refused) and r.reason == "unknown_owner"
+
+
+async def test_stage_and_lease_in_one_commit_all_or_nothing(redis, prefix):
+    store, leases = await _setup(redis, prefix)
+    before = await _state(redis, store)
+    # 4000 + 3000 of weights + 2001 for the lease > 9000: nothing staged, nothing leased
+    r = await leases.commit(_lease("L1", 2001, segs=("mlp[0]", "mlp[1]")), stage={"mlp[0]": 4000, "mlp[1]": 3000})
+    assert isinstance(r, Refused) and r.reason == "insufficient_memory"
+    assert await _state(redis, store) == before
+    epoch = await leases.commit(_lease("L1", 2000, segs=("mlp[0]", "mlp[1]")), stage={"mlp[0]": 4000})
+    assert isinstance(r, Refused) and isinstance(epoch, Refused) and epoch.reason == "not_resident"  # mlp[1] is not
+    epoch = await leases.commit(_lease("L1", 2000, segs=("mlp[0]", "mlp[1]")), stage={"mlp[0]": 4000, "mlp[1]": 3000})
+    assert isinstance(epoch, int) and epoch == before[1] + 1  # one commit, one epoch
+    assert (await store.device("g0"))["reserved"] == "9000"
+    m, _ = await _state(redis, store)
+    assert m[store.keys.resident("g0")]["a|mlp[0]"] == "4000" and m[store.keys.pins("g0")]["a|mlp[1]"] == "1"
+    # staging a segment that is resident already is refused as such, and changes nothing
+    before = await _state(redis, store)
+    r = await leases.commit(_lease("L2", 1, segs=("mlp[0]",)), stage={"mlp[0]": 4000})
+    assert isinstance(r, Refused) and r.reason == "already_resident" and r.detail == "a|mlp[0]"
+    assert await _state(redis, store) == before

@@ -1,0 +1,73 @@
+"""The live scheduler's lease commits (services/scheduler/live.py LeaseManager) against a real Redis: one GMG
+commit stages and leases, grants of one decision commit concurrently and are announced to both workers, and a
+stale view of what is resident falls back to staging first."""
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.live import LeaseManager
+from shared.codec import decode
+from shared.config import parse_cluster, parse_tenants
+from shared.gmg import GMGStore, Reservation
+from shared.gmg.leases import LeaseStore
+from shared.messages import LeaseGranted, WorkerMsg, worker_stream
+from shared.policies import GrantLease, RevokeLease
+from shared.streams import StreamProducer, entry_payload
+
+pytestmark = pytest.mark.integration
+
+CLUSTER = parse_cluster({"cluster": {"headroom_fraction": 0.05},
+                         "devices": [{"id": d, "backend": "emulated", "memory_gb": 0.25} for d in ("h0", "g0", "g1")]})
+TENANTS = parse_tenants({"tenants": [
+    {"name": "a", "model": "tiny", "sla": {"ttft_ms": 100, "tpot_ms": 10}, "home_devices": ["h0"]},
+    {"name": "b", "model": "tiny", "sla": {"ttft_ms": 100, "tpot_ms": 10}, "home_devices": ["g0"]},
+    {"name": "c", "model": "tiny", "sla": {"ttft_ms": 100, "tpot_ms": 10}, "home_devices": ["g1"]}]})
+
+
+def _grant(guest: str, segs=("mlp[0]", "mlp[1]"), memory: int = 1 << 20) -> GrantLease:
+    return GrantLease("a", "h0", guest, tuple(segs), 30.0, 0.5, memory)
+
+
+async def _granted(redis, prefix, device: str) -> list[LeaseGranted]:
+    out = []
+    for _, f in await redis.xrange(worker_stream(prefix, device)):
+        m = decode(entry_payload(f), WorkerMsg)
+        if isinstance(m, LeaseGranted):
+            out.append(m)
+    return out
+
+
+async def test_grants_commit_concurrently_and_stale_residency_falls_back(redis, prefix):
+    store = GMGStore(redis, prefix)
+    await store.register_cluster(CLUSTER, TENANTS)
+    mgr = LeaseManager(prefix, store, StreamProducer(redis), TENANTS)
+    epoch0 = await store.epoch()
+    # one decision, three grants: two on g0 sharing mlp[0] (one of them stages it, the other finds it resident),
+    # one on g1
+    await mgr.apply([_grant("g0"), _grant("g0", ("mlp[0]", "mlp[2]")), _grant("g1")], now=100.0)
+    assert mgr.granted == 3 and mgr.refused == 0 and len(mgr.active) == 3
+    ls = LeaseStore(store)
+    assert len(await ls.active("g0")) == 2 and len(await ls.active("g1")) == 1
+    res = await store.reservations("g0")
+    assert {o for o in res if o.startswith("weights:a:")} == {"weights:a:mlp[0]", "weights:a:mlp[1]",
+                                                               "weights:a:mlp[2]"}
+    # each lease announced once to its guest and once to the home
+    assert len(await _granted(redis, prefix, "g0")) == 2 and len(await _granted(redis, prefix, "g1")) == 1
+    assert len(await _granted(redis, prefix, "h0")) == 3
+    assert await store.epoch() > epoch0
+
+    # the weights on g1 are evicted behind the scheduler's back: its next grant there stages them again
+    lid = next(lid for lid, st in mgr.active.items() if st.guest_device == "g1")
+    await mgr.apply([RevokeLease(lid, "test")], now=101.0)
+    assert isinstance(await ls.evict("g1", "a", ["mlp[0]", "mlp[1]"]), int)
+    st = await mgr.grant(_grant("g1"), now=102.0)
+    assert st is not None and mgr.granted == 4
+    assert "weights:a:mlp[0]" in await store.reservations("g1")
+
+    # a lease that cannot fit is refused cleanly: no lease, no message
+    row = await store.device("g1")
+    free = int(row["limit"]) - int(row["reserved"])
+    assert isinstance(await store.reserve([Reservation("g1", "kv:filler", "kv", "c", free - 1)]), int)
+    before = len(await _granted(redis, prefix, "h0"))
+    assert await mgr.grant(_grant("g1", ("mlp[3]",)), now=103.0) is None
+    assert mgr.refused == 1 and len(await _granted(redis, prefix, "h0")) == before

@@ -78,12 +78,12 @@ class SimReplay:
             b = tokens_bucket(t)
             attn = cost.attn_dense_time(t)
             if it.n_decode:
-                attn += cost.decode_attention_time(it.n_decode, it.decode_kv)
+                attn += cost.decode_attention_time(it.n_decode, it.decode_kv, t)
             if it.prefill_tokens:
-                attn += cost.prefill_attention_time(it.prefill_tokens, it.prefill_pairs, it.prefill_reads)
+                attn += cost.prefill_attention_time(it.prefill_tokens, it.prefill_pairs, it.prefill_reads, t)
             times = {"embed": cost.embed_time(t), "attn": attn, "mlp": cost.mlp_time(t)}
             if it.sampled:
-                times["head"] = cost.head_time(it.sampled)
+                times["head"] = cost.head_time(it.sampled, t)
             if it.scale != 1.0:
                 times = {k: v * it.scale for k, v in times.items()}
             segs = names.get(it.device)

@@ -122,9 +122,12 @@ def loop_overhead(m) -> dict[str, float]:
     return {d: max(0.0, (active[d] - s) / n) for d, (s, n) in seg.items() if n and d in active}
 
 
-def correction_factors(meas: dict[tuple, BucketStats], pred: dict[tuple, BucketStats]) -> dict[str, dict[str, float]]:
+def correction_factors(meas: dict[tuple, BucketStats], pred: dict[tuple, BucketStats],
+                       min_bucket: int = 5) -> dict[str, dict[str, float]]:
     """Per device and segment kind: measured / predicted time over the buckets seen on both sides (the factor
-    the live CorrectionTable converges to, computed in one batch, weighted by measured executions)."""
+    the live CorrectionTable converges to, computed in one batch, weighted by measured executions); and per
+    ``kind@bucket`` with at least ``min_bucket`` measured executions, that bucket's own factor (what the live
+    table learns under the same key)."""
     num: dict[tuple[str, str], float] = {}
     den: dict[tuple[str, str], float] = {}
     for key, m in meas.items():
@@ -138,6 +141,10 @@ def correction_factors(meas: dict[tuple, BucketStats], pred: dict[tuple, BucketS
     for (dev, kind), n in num.items():
         if den[(dev, kind)] > 0:
             out.setdefault(dev, {})[kind] = n / den[(dev, kind)]
+    for (dev, kind, bucket), m in meas.items():  # each shape bucket's own factor, where it ran often enough
+        p = pred.get((dev, kind, bucket))
+        if p is not None and p.count and p.mean > 0 and m.count >= min_bucket:
+            out.setdefault(dev, {})[f"{kind}@{bucket}"] = m.mean / p.mean
     return out
 
 

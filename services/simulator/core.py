@@ -71,7 +71,9 @@ class SimulatorCore:
                 pred = cost.embed_time(t)
             else:
                 pred = cost.head_time(t)
-            self.corrections.observe(msg.device, kind, pred, st.total_ms / st.count / 1e3)
+            measured = st.total_ms / st.count / 1e3
+            self.corrections.observe(msg.device, kind, pred, measured)
+            self.corrections.observe(msg.device, f"{kind}@{t}", pred, measured)  # this shape bucket's own factor
             touched.add(kind)
         return [(msg.device, k, self.corrections.error(msg.device, k)) for k in sorted(touched)]
 

@@ -5,15 +5,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from shared.costmodel.model_cost import tokens_bucket
 from shared.messages import InferenceRequest, SegmentStat, StepReport, TokenChunk
 
-
-def tokens_bucket(n: int) -> int:
-    """Batch tokens rounded up to a power of two (the shape bucket of segment statistics)."""
-    b = 1
-    while b < n:
-        b <<= 1
-    return b
+__all__ = ["StepAggregator", "Tracked", "Tracker", "tokens_bucket"]
 
 
 @dataclass

@@ -21,6 +21,15 @@ OP_CLASS = {"qkv_proj": "gemm", "o_proj": "gemm", "gate_up_proj": "gemm", "down_
 SEGMENT_KINDS = ("embed", "attn", "mlp", "head")
 
 
+def tokens_bucket(n: int) -> int:
+    """Batch tokens rounded up to a power of two: the shape bucket workers report segment times in, and the
+    bucket of a ``kind@bucket`` correction factor."""
+    b = 1
+    while b < n:
+        b <<= 1
+    return b
+
+
 def op_time(profile: DeviceProfile, op: OperatorSpec, tokens: int, kv_tokens: int = 0,
             kv_read_tokens: int | None = None) -> float:
     """Roofline time (s) of one operator over ``tokens`` rows (and ``kv_tokens`` query-key pairs)."""
@@ -36,7 +45,10 @@ class ModelCost:
     """Predicted times of one model (``config``) on one device kind (``profile``).
 
     ``correction`` maps a segment kind (embed, attn, mlp, head) to a multiplicative factor (from measured
-    execution; see :class:`shared.costmodel.correction.CorrectionTable`). Results are cached per batch size.
+    execution; see :class:`shared.costmodel.correction.CorrectionTable`), and optionally ``kind@bucket`` (e.g.
+    ``mlp@4``) to a factor for iterations whose batch has that many tokens (rounded up to a power of two, as the
+    workers bucket their measurements); a bucket without its own factor uses the kind's. Results are cached per
+    batch size.
     """
 
     def __init__(self, config: ModelConfig, profile: DeviceProfile,
@@ -45,6 +57,8 @@ class ModelCost:
         self.graph = ModelGraph.from_config(config)
         self.layers = config.num_hidden_layers
         self.corr = {k: float((correction or {}).get(k, 1.0)) for k in SEGMENT_KINDS}
+        self.bucket_corr = {(k.split("@", 1)[0], int(k.split("@", 1)[1])): float(v)
+                            for k, v in (correction or {}).items() if "@" in k}
         g = self.graph
         self._embed_ops = g.operators_of("embed")
         attn_ops = g.operators_of("attn[0]")
@@ -61,11 +75,20 @@ class ModelCost:
         self._lines: dict[int, tuple[float, float, float]] = {}
 
     # ---------------------------------------------------------------- per segment (one layer)
-    def _sum(self, tag: str, ops: list[OperatorSpec], tokens: int) -> float:
-        key = (tag, tokens)
+    def factor(self, kind: str, batch_tokens: int) -> float:
+        """Correction factor of segment ``kind`` in an iteration of ``batch_tokens`` tokens."""
+        if self.bucket_corr:
+            f = self.bucket_corr.get((kind, tokens_bucket(batch_tokens)))
+            if f is not None:
+                return f
+        return self.corr[kind]
+
+    def _sum(self, tag: str, ops: list[OperatorSpec], tokens: int, batch_tokens: int | None = None) -> float:
+        bt = tokens if batch_tokens is None else batch_tokens
+        key = (tag, tokens, bt)
         t = self._cache.get(key)
         if t is None:
-            t = sum(op_time(self.profile, op, tokens) for op in ops) * self.corr[tag.split("_")[0]]
+            t = sum(op_time(self.profile, op, tokens) for op in ops) * self.factor(tag.split("_")[0], bt)
             self._cache[key] = t
         return t
 
@@ -73,9 +96,10 @@ class ModelCost:
         """``embed`` segment over ``tokens`` rows."""
         return self._sum("embed", self._embed_ops, tokens)
 
-    def head_time(self, sampled: int) -> float:
-        """``head`` segment (final norm + lm-head) over the ``sampled`` rows."""
-        return self._sum("head", self._head_ops, sampled)
+    def head_time(self, sampled: int, batch_tokens: int | None = None) -> float:
+        """``head`` segment (final norm + lm-head) over the ``sampled`` rows of an iteration of ``batch_tokens``
+        tokens (default: ``sampled``; it picks the correction bucket)."""
+        return self._sum("head", self._head_ops, sampled, batch_tokens)
 
     def mlp_time(self, tokens: int) -> float:
         """One ``mlp[l]`` segment over ``tokens`` rows."""
@@ -85,9 +109,10 @@ class ModelCost:
         """One ``attn[l]`` segment without its attention kernel (norm, qkv, rope, o-proj, residual)."""
         return self._sum("attn_dense", self._attn_dense, tokens)
 
-    def prefill_attention_time(self, tokens: int, pairs: int, reads: int) -> float:
+    def prefill_attention_time(self, tokens: int, pairs: int, reads: int, batch_tokens: int | None = None) -> float:
         """Attention kernel of one layer for prefill chunks: ``pairs`` query-key pairs, ``reads`` KV rows read."""
-        return op_time(self.profile, self._attn_op, tokens, pairs, reads) * self.corr["attn"]
+        return op_time(self.profile, self._attn_op, tokens, pairs, reads) * \
+            self.factor("attn", tokens if batch_tokens is None else batch_tokens)
 
     def decode_attention_line(self, n_decode: int) -> tuple[float, float, float]:
         """(c0, c1, k_max): one layer's decode attention over ``n_decode`` sequences with total KV length K
@@ -97,15 +122,16 @@ class ModelCost:
         f1 = op.flops(b, 1) - op.flops(b, 0)
         beta0 = op.bytes_moved(b, 0, 0)
         beta1 = op.bytes_moved(b, 1, 1) - beta0
-        k = self.corr["attn"]
+        k = self.factor("attn", n_decode)
         c0, c1 = (beta0 / rm + self.profile.launch_s("attention")) * k, beta1 / rm * k
         slope_c = f1 / rc
         k_max = float("inf") if beta1 / rm >= slope_c else (beta0 / rm) / (slope_c - beta1 / rm)
         return c0, c1, k_max
 
-    def decode_attention_time(self, n_decode: int, kv: int) -> float:
+    def decode_attention_time(self, n_decode: int, kv: int, batch_tokens: int | None = None) -> float:
         """Attention kernel of one layer for ``n_decode`` decode tokens with total context ``kv``."""
-        return op_time(self.profile, self._attn_op, n_decode, kv, kv) * self.corr["attn"]
+        return op_time(self.profile, self._attn_op, n_decode, kv, kv) * \
+            self.factor("attn", n_decode if batch_tokens is None else batch_tokens)
 
     # ---------------------------------------------------------------- whole iterations
     def decode_line(self, n_decode: int) -> tuple[float, float, float]:
@@ -136,10 +162,10 @@ class ModelCost:
         s = n_decode if sampled is None else sampled
         per_layer = self.attn_dense_time(t) + self.mlp_time(t)
         if n_decode:
-            per_layer += self.decode_attention_time(n_decode, decode_kv)
+            per_layer += self.decode_attention_time(n_decode, decode_kv, t)
         if prefill_tokens:
-            per_layer += self.prefill_attention_time(prefill_tokens, prefill_pairs, prefill_reads)
-        return self.embed_time(t) + self.layers * per_layer + self.head_time(s) + self.profile.step_overhead_s
+            per_layer += self.prefill_attention_time(prefill_tokens, prefill_pairs, prefill_reads, t)
+        return self.embed_time(t) + self.layers * per_layer + self.head_time(s, t) + self.profile.step_overhead_s
 
     def prefill_time(self, input_tokens: int, chunk: int = 2048) -> float:
         """Time to prefill one prompt alone, in chunks of ``chunk`` tokens (the isolated TTFT)."""

@@ -88,8 +88,11 @@ def test_loop_overhead_and_correction_factors():
     meas = {("d", "mlp", 1): BucketStats(10, 20.0), ("d", "mlp", 2): BucketStats(10, 60.0),
             ("d", "attn", 1): BucketStats(5, 5.0)}
     pred = {("d", "mlp", 1): BucketStats(4, 4.0), ("d", "mlp", 2): BucketStats(1, 2.0)}
-    # (20 + 60) measured against 10 × 1 + 10 × 2 predicted; attn never predicted
-    assert correction_factors(meas, pred) == {"d": {"mlp": pytest.approx(80 / 30)}}
+    # (20 + 60) measured against 10 × 1 + 10 × 2 predicted; attn never predicted; each bucket with ≥ 5
+    # measured executions also gets its own factor (mean 2 ms vs 1 ms; 6 ms vs 2 ms)
+    assert correction_factors(meas, pred) == {"d": {"mlp": pytest.approx(80 / 30), "mlp@1": pytest.approx(2.0),
+                                                    "mlp@2": pytest.approx(3.0)}}
+    assert correction_factors(meas, pred, min_bucket=11) == {"d": {"mlp": pytest.approx(80 / 30)}}
 
 
 def test_drift_is_causal_ewma():

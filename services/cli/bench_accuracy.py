@@ -36,8 +36,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="workload file (docs/loadgen.md)")
     p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster.yaml"), help="the mesh's cluster.yaml")
     p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"), help="the mesh's tenants.yaml")
-    p.add_argument("--duration-s", type=float, default=30.0, help="measured window: arrivals in [0, D)")
-    p.add_argument("--calibration-s", type=float, default=10.0,
+    p.add_argument("--duration-s", type=float, default=None,
+                   help="measured window: arrivals in [0, D) (default 30; with --from-raw, the file's)")
+    p.add_argument("--calibration-s", type=float, default=None,
                    help="seconds of synthetic calibration traffic replayed first (0: profile only)")
     p.add_argument("--min-count", type=int, default=20,
                    help="segment buckets with fewer measured executions are left out of the segment MAPE")
@@ -325,6 +326,19 @@ def run(args: argparse.Namespace) -> int:
     from services.cli.profile import machine_description
     from shared.costmodel import load_profile
 
+    saved: dict = {}
+    if args.from_raw and Path(args.from_raw).is_file():  # the phase lengths the measurements were taken with
+        try:
+            saved = json.loads(Path(args.from_raw).read_text()).get("settings") or {}
+        except (ValueError, AttributeError):
+            saved = {}
+    for name, default in (("duration_s", 30.0), ("calibration_s", 10.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, float(saved.get(name, default)))
+        elif name in saved and float(saved[name]) != getattr(args, name):
+            print(f"slicesched bench accuracy: --{name.replace('_', '-')} {getattr(args, name):g} differs from the "
+                  f"{saved[name]:g} the raw measurements in {args.from_raw} were taken with", file=sys.stderr)
+            return 2
     if args.duration_s <= 0 or args.calibration_s < 0 or args.min_count < 1:
         print("slicesched bench accuracy: --duration-s must be positive, --calibration-s >= 0 and --min-count >= 1",
               file=sys.stderr)
@@ -355,7 +369,10 @@ def run(args: argparse.Namespace) -> int:
         phases = run_mesh(args.cluster, args.tenants, plan)
         if args.raw_out:
             Path(args.raw_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.raw_out).write_text(json.dumps({"phases": {k: v.to_dict() for k, v in phases.items()}}))
+            Path(args.raw_out).write_text(json.dumps({
+                "settings": {"workload": args.workload, "duration_s": args.duration_s,
+                             "calibration_s": args.calibration_s},
+                "phases": {k: v.to_dict() for k, v in phases.items()}}))
     mesh_s = time.perf_counter() - t0
     res = analyse(phases, cluster, tenants, evaluated, calib, args.min_count)
     prof = load_profile(cluster.devices[0].kind)

@@ -140,3 +140,20 @@ def test_bench_rejects_bad_arguments(capsys):
     assert main(["bench", "accuracy", "--workload", "/nonexistent.yaml"]) == 2
     err = capsys.readouterr().err
     assert "nonexistent.yaml" in err and "Traceback" not in err
+
+
+def test_from_raw_takes_the_phase_lengths_the_measurements_were_taken_with(tmp_path, capsys):
+    raw = json.loads(RAW.read_text())
+    saved = tmp_path / "raw.json"
+    saved.write_text(json.dumps({"settings": {"duration_s": 6.0, "calibration_s": 3.0}, "phases": raw["phases"]}))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["bench", "accuracy", "--from-raw", str(saved), "--json", str(a)]) == 0  # no flags: the file's
+    assert main(["bench", "accuracy", "--from-raw", str(RAW), "--duration-s", "6", "--calibration-s", "3",
+                 "--json", str(b)]) == 0
+    ra, rb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert ra["duration_s"] == 6.0 and ra["segment_mape"] == rb["segment_mape"]
+    assert ra["ttft_median_ape"] == rb["ttft_median_ape"]
+    capsys.readouterr()
+    # a phase length other than the one measured would analyse other requests than those measured: refused
+    assert main(["bench", "accuracy", "--from-raw", str(saved), "--duration-s", "30"]) == 2
+    assert "differs from the 6 the raw measurements" in capsys.readouterr().err

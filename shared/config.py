@@ -49,6 +49,9 @@ class ClusterConfig:
     intra_host_link: str = "shm"  # cpu: shm; gpus: cuda_ipc / nvlink
     inter_host_link: str = "tcp"  # cpu: tcp; gpus: nccl
     source: str = "<memory>"
+    # per policy name, parameters the live scheduler applies on this cluster (``policies:`` in the file); the
+    # environment's SLICESCHED_POLICY_PARAMS overrides them key by key
+    policy_params: dict = field(default_factory=dict, hash=False, compare=False)
 
     def device(self, device_id: str) -> DeviceConfig:
         for d in self.devices:
@@ -201,9 +204,13 @@ def parse_cluster(data: Any, file: str | Path = "<memory>") -> ClusterConfig:
     for k, v in (("intra_host", intra), ("inter_host", inter)):
         if v not in LINK_KINDS:
             raise ConfigError(file, f"links.{k}", f"must be one of {', '.join(LINK_KINDS)}, got {v!r}")
+    pols = _req(data, "policies", file, "", dict, default={}) or {}
+    for name, params in pols.items():
+        if not isinstance(params, dict):
+            raise ConfigError(file, f"policies.{name}", "expected a mapping of parameter -> value")
     return ClusterConfig(devices=tuple(devices), name=str(meta.get("name", "local")),
                          headroom_fraction=float(headroom), intra_host_link=intra, inter_host_link=inter,
-                         source=str(file))
+                         source=str(file), policy_params={str(k): dict(v) for k, v in pols.items()})
 
 
 def load_cluster(path: str | Path) -> ClusterConfig:

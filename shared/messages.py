@@ -131,6 +131,10 @@ class WorkerHeartbeat(Msg, frozen=True, kw_only=True):
     kv_total_bytes: int = 0
     running: int = 0
     queued: int = 0
+    # home prefill backlog: prompt tokens not yet through prefill (waiting + partly prefilled sequences), and the
+    # gateway arrival time of the oldest of those requests (0 when none)
+    queued_prefill_tokens: int = 0
+    prefill_oldest_ts: float = 0.0
     busy_ratio: float = 0.0  # since the previous heartbeat
     # guest lanes ("sequences" leases): (tenant, outstanding, queued prompt tokens, accepting)
     guest_lanes: list[tuple[str, int, int, bool]] = []

@@ -97,6 +97,7 @@ class GMGCore:
             fields["worker_capacity"] = hb.capacity_bytes
         b = self.batch().hset(self.keys.device(hb.device), fields)
         b.hset(self.keys.exec_state(hb.device), {"running": hb.running, "queued": hb.queued,
+                                                  "prefill_tokens": hb.queued_prefill_tokens,
                                                   "busy_ratio": f"{hb.busy_ratio:.4f}", "worker_id": hb.worker_id})
         return "heartbeat", b
 

@@ -24,7 +24,8 @@ def main() -> int:
     from services.scheduler.service import SchedulerService
 
     try:
-        policy = load_live_policy(args.policy, os.environ.get("SLICESCHED_POLICY_PARAMS", ""))
+        policy = load_live_policy(args.policy, os.environ.get("SLICESCHED_POLICY_PARAMS", ""),
+                                  cluster.policy_params.get(args.policy))
     except (KeyError, ValueError) as e:  # unknown name or bad parameters
         print(f"scheduler: --policy: {e}", file=sys.stderr)
         return 2

@@ -39,6 +39,24 @@ class DeviceView:
     assigned: int = 0  # requests placed by us and not finished
     guest_lanes: list = field(default_factory=list)  # (tenant, outstanding, queued tokens, accepting) per lane
     guest_share: float = 0.0
+    # the worker's home backlog as of its last heartbeat (waiting requests, prompt tokens not yet prefilled, the
+    # oldest of those requests' arrival) and what was placed here since: (placed ts, prompt tokens, arrival ts)
+    worker_queued: int = 0
+    prefill_tokens: int = 0
+    prefill_oldest_ts: float = 0.0
+    placed_since: list = field(default_factory=list)
+
+    def on_heartbeat(self, ts: float, queued: int, prefill_tokens: int, oldest_ts: float) -> None:
+        self.worker_queued, self.prefill_tokens, self.prefill_oldest_ts = queued, prefill_tokens, oldest_ts
+        self.placed_since = [x for x in self.placed_since if x[0] > ts]
+
+    def backlog(self) -> tuple[int, int, float]:
+        """(waiting requests, prompt tokens not yet prefilled, oldest arrival or inf) on the worker, including what
+        was placed after its last heartbeat."""
+        oldest = [self.prefill_oldest_ts] if self.prefill_oldest_ts > 0 else []
+        oldest += [a for _, _, a in self.placed_since if a > 0]
+        return (self.worker_queued + len(self.placed_since), self.prefill_tokens + sum(n for _, n, _ in self.placed_since),
+                min(oldest, default=float("inf")))
 
     @property
     def free(self) -> int:

@@ -70,8 +70,9 @@ class SnapshotBuilder:
             home = self.home_of.get(d.id)
             q = self.core.queues.queues.get(home, {}) if home else {}
             n_home = max(1, len(self.tenants.get(home).home_devices)) if home else 1
-            queued = len(q) // n_home
-            oldest = min((p.enqueued_ts for p in q.values()), default=math.inf)
+            w_queued, w_prefill, w_oldest = v.backlog() if v else (0, 0, math.inf)
+            queued = len(q) // n_home + w_queued
+            oldest = min(min((p.enqueued_ts for p in q.values()), default=math.inf), w_oldest)
             resident = self._resident(d.id, row.get("resident") or "")
             share = sum(lz.share for lz in leases.values() if lz.guest_device == d.id)
             running = int(row.get("running") or 0) if row else (v.assigned if v else 0)
@@ -80,7 +81,7 @@ class SnapshotBuilder:
                 headroom_bytes=d.memory_bytes - int(row.get("limit") or d.memory_bytes * (1 - self.cluster.headroom_fraction)),
                 home_tenant=home, tenants=[home] if home else [], used_bytes=int(row.get("reserved") or 0),
                 queued=queued, running=max(running, v.assigned if v else 0),
-                queued_prefill_tokens=sum(len(p.req.prompt_ids) for p in q.values()) // n_home,
+                queued_prefill_tokens=sum(len(p.req.prompt_ids) for p in q.values()) // n_home + w_prefill,
                 decode_kv_tokens=per_dev_ctx.get(d.id, 0), oldest_pending_s=oldest,
                 busy=float(row.get("busy_ratio") or 0) > 0.5 or bool(v and v.assigned), guest_share=share,
                 guest_yield=v.guest_share if v else 0.0,

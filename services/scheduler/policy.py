@@ -6,11 +6,18 @@ import json
 from shared.policies import POLICIES, Policy, make_policy
 
 
-def load_live_policy(name: str, params_json: str = "") -> Policy:
-    """Instantiate policy ``name`` (unknown names raise with the valid ones; simulation-only ones are refused)."""
+def load_live_policy(name: str, params_json: str = "", base: dict | None = None) -> Policy:
+    """Instantiate policy ``name`` (unknown names raise with the valid ones; simulation-only ones are refused)
+    with ``base`` (the cluster file's ``policies.<name>``) overridden key by key by ``params_json``."""
     cls = POLICIES.get(name)
     if getattr(cls, "simulation_only", False):
         raise ValueError(f"policy {name!r} is simulation-only (a bound, not a real policy)")
-    params = json.loads(params_json) if params_json else {}
+    try:
+        override = json.loads(params_json) if params_json else {}
+    except ValueError as e:
+        raise ValueError(f"SLICESCHED_POLICY_PARAMS is not valid JSON: {e}") from None
+    if not isinstance(override, dict):
+        raise ValueError("SLICESCHED_POLICY_PARAMS must be a JSON object of parameter -> value")
+    params = {**(base or {}), **override}
     params.setdefault("resize", False) if "resize" in {f for f in getattr(cls.config_cls, "__dataclass_fields__", {})} else None
     return make_policy(name, params)

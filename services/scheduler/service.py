@@ -236,6 +236,8 @@ class SchedulerService:
             await self.producer.add(worker_stream(self.p, dev), AssignRequest(
                 msg_id=uuid.uuid4().hex, request=p.req, device=dev, kv_blocks=p.kv_blocks))
             self.assigned[rid] = (dev, p.req, view.worker_id)
+            if self.snapshots.home_of.get(dev) == p.req.tenant and len(view.placed_since) < 4096:
+                view.placed_since.append((time.time(), len(p.req.prompt_ids), p.req.arrival_ts))
             self.core.queues.pop(p.req.tenant, rid)
             await self.redis.xack(requests_stream(self.p), GROUP_SCHEDULER, p.entry_id)
             self.m_decision.observe(time.perf_counter() - t0)
@@ -294,6 +296,7 @@ class SchedulerService:
             v = self.devices.get(msg.device)
             if v is not None:
                 v.heartbeat_ts, v.running = msg.ts, msg.running
+                v.on_heartbeat(msg.ts, msg.queued, msg.queued_prefill_tokens, msg.prefill_oldest_ts)
                 v.guest_lanes, v.guest_share = list(msg.guest_lanes), msg.guest_share
                 if msg.worker_id and v.worker_id != msg.worker_id:
                     v.worker_id = msg.worker_id

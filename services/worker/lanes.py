@@ -122,7 +122,8 @@ class GuestLanes:
             if e is None:
                 out.append((lane.tenant, 0, 0, False))
                 continue
-            out.append((lane.tenant, len(e.running_ids()) + len(e.waiting_ids()), 0, lane.accepting))
+            out.append((lane.tenant, len(e.running_ids()) + len(e.waiting_ids()), e.prefill_backlog()[0],
+                        lane.accepting))
         return out
 
     def share(self) -> float:

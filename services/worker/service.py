@@ -449,12 +449,16 @@ class WorkerService:
             self._busy_s, self._busy_mark = 0.0, now
         e = self.engine
         kv_used = (e.kv_blocks_total - e.kv_blocks_free) * e.kv_bytes_per_block
+        backlog, prefilling = e.prefill_backlog()
+        arrivals = [t.req.arrival_ts for t in map(self.tracker.items.get, prefilling)
+                    if t is not None and t.req.arrival_ts > 0]
         hb = WorkerHeartbeat(msg_id=uuid.uuid4().hex, device=self.device.id, worker_id=self.worker_id,
                              backend=self.device.backend, home_tenant=self.tenant.name, ts=time.time(),
                              state="draining" if self.shell.stop.is_set() else "ready",
                              capacity_bytes=self.device.memory_bytes, weight_bytes=e.weight_bytes,
                              kv_used_bytes=kv_used, kv_total_bytes=e.kv_blocks_total * e.kv_bytes_per_block,
                              running=len(e.running_ids()), queued=len(e.waiting_ids()), busy_ratio=min(1.0, busy),
+                             queued_prefill_tokens=backlog, prefill_oldest_ts=min(arrivals, default=0.0),
                              guest_lanes=self.lanes.status() if self.lanes is not None else [],
                              guest_share=self.lanes.share() if self.lanes is not None else 0.0)
         items = [(events_stream(self.p), hb)]

@@ -138,6 +138,13 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
+    def prefill_backlog(self) -> tuple[int, list[str]]:
+        """(prompt tokens not yet prefilled, ids of the requests they belong to); safe to call from another
+        thread than the one stepping (reads copies)."""
+        seqs = list(self._waiting.values()) + list(self._running.values())
+        todo = [(s.request_id, len(s.prompt) - s.computed) for s in seqs if s.computed < len(s.prompt)]
+        return sum(n for _, n in todo), [rid for rid, _ in todo]
+
     # ---------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; it is admitted (KV reserved) as soon as blocks and a running slot are free.

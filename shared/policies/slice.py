@@ -32,6 +32,7 @@ class SliceConfig(PolicyConfig):
     lease_s: float = 2.0
     sequence_lease_s: float = 5.0  # "sequences" leases (whole iterations of new sequences on the guest)
     sequences: bool = True  # also consider the second mode
+    segments: bool = True  # consider "segments" leases (MLP offload); off where they do not pay (CPU meshes)
     max_sequence_leases: int = 8  # per home device
     share_max: float = 0.6  # most of a busy guest's time one lease may take
     min_share: float = 0.1
@@ -222,10 +223,12 @@ class SlicePolicy(Policy):
         seg_leases = [lease for lease in mine if lease.mode == "segments"]
         taken = {s for lease in seg_leases for s in lease.segments}
         free_layers = [f"mlp[{i}]" for i in range(layers) if f"mlp[{i}]" not in taken]
-        if len(seg_leases) >= cfg.max_leases:
+        if not cfg.segments or len(seg_leases) >= cfg.max_leases:
             free_layers = []
         used_guests = {lease.guest_device for lease in mine}
-        cands = self._guests(d, snapshot, used_guests)
+        # never lease time on a device whose own tenant is behind itself
+        cands = [g for g in self._guests(d, snapshot, used_guests)
+                 if g.home_tenant is None or not self._behind(g, snapshot, whatif)]
         hcost = whatif.cost(t, d.kind)
         grants = []
         for g in (cands if free_layers else []):

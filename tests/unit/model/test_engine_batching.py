@@ -252,3 +252,18 @@ def test_failed_segment_leaves_state_untouched_and_step_can_be_retried(model2):
     clean.add("a", [3, 4, 5], SamplingParams(max_tokens=6, temperature=1.0, seed=2, ignore_eos=True))
     clean.add("b", [7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
     assert drain(clean)[0] == got
+
+
+def test_prefill_backlog_counts_prompt_tokens_not_yet_prefilled(model2):
+    eng = Engine(model2, ByteTokenizer(model2.cfg), kv_blocks=64, block_size=4, max_batch_tokens=8, max_running=1)
+    assert eng.prefill_backlog() == (0, [])
+    eng.add("a", list(range(5, 25)), SamplingParams(max_tokens=3, ignore_eos=True))  # 20 prompt tokens
+    eng.add("b", list(range(5, 11)), SamplingParams(max_tokens=3, ignore_eos=True))  # 6, waits for the one slot
+    n, ids = eng.prefill_backlog()
+    assert n == 26 and sorted(ids) == ["a", "b"]
+    eng.step()  # 8 of a's 20 prompt tokens
+    n, ids = eng.prefill_backlog()
+    assert n == 18 and set(ids) == {"a", "b"}
+    while eng.has_work() and "a" in eng.prefill_backlog()[1]:
+        eng.step()
+    assert eng.prefill_backlog() == (6, ["b"])  # a decodes now; b still waits

@@ -90,3 +90,16 @@ def test_slice_leases_help_the_bursty_tenant_without_hurting_the_others(small):
     assert s.tenants[hot]["ttft_ms"]["p99"] <= k.tenants[hot]["ttft_ms"]["p99"]
     for other in ("t1", "t2", "t3"):  # guests' own tenants stay inside their SLA
         assert s.tenants[other]["violation_rate"] <= k.tenants[other]["violation_rate"]
+
+
+def test_slice_without_segment_leases_grants_only_sequences(small):
+    c, t, _ = small
+    w = bursty_workload(t, [15.0, 1.0, 0.3, 0.3], 40.0, random.Random(4), burst_factor=10.0, mean_input=2000,
+                        mean_output=40)
+    modes = {}
+    for segments in (True, False):
+        sim = Simulator(c, t, make_policy("slice", {"segments": segments}), SimConfig(), random.Random(0))
+        sim.run(w)
+        modes[segments] = {lz.mode for lz in [*sim.leases.leases.values(), *sim.leases.finished]}
+    assert "segments" in modes[True]  # the workload does get segment leases when they are allowed
+    assert modes[False] == {"sequences"}

@@ -1,0 +1,48 @@
+"""What the live scheduler's snapshot says a device has queued: its own queue plus the worker's backlog (the
+worker's last heartbeat and what was placed there since), and the cluster file's policy parameters."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.scheduler.core import DeviceView, SchedulerCore
+from services.scheduler.live import SnapshotBuilder
+from services.scheduler.policy import load_live_policy
+from shared.config import ConfigError, REPO_CONFIGS, load_cluster, load_tenants, parse_cluster
+
+
+def test_device_view_backlog_is_the_heartbeat_plus_later_placements():
+    v = DeviceView("d0", True, 1000, 0)
+    assert v.backlog() == (0, 0, math.inf)
+    v.placed_since += [(10.0, 100, 9.5), (12.0, 50, 11.9)]
+    v.on_heartbeat(11.0, queued=3, prefill_tokens=400, oldest_ts=8.0)  # it had seen the first placement
+    assert v.backlog() == (4, 450, 8.0)
+    v.on_heartbeat(13.0, queued=0, prefill_tokens=0, oldest_ts=0.0)
+    assert v.backlog() == (0, 0, math.inf)
+
+
+def test_snapshot_counts_the_workers_backlog():
+    cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
+    tenants = load_tenants(REPO_CONFIGS / "tenants.yaml", cluster)
+    core = SchedulerCore(cluster, tenants, load_live_policy("container"))
+    views = {d.id: DeviceView(d.id, True, 10**9, 0) for d in cluster.devices}
+    views["cpu0"].on_heartbeat(100.0, queued=5, prefill_tokens=900, oldest_ts=97.0)
+    snap = SnapshotBuilder(cluster, tenants, core).build(101.0, views, {}, {}, {})
+    d0, d1 = snap.devices["cpu0"], snap.devices["cpu1"]
+    assert (d0.queued, d0.queued_prefill_tokens, d0.oldest_pending_s) == (5, 900, 97.0)
+    assert (d1.queued, d1.queued_prefill_tokens) == (0, 0) and math.isinf(d1.oldest_pending_s)
+
+
+def test_cluster_policy_parameters_and_their_override():
+    cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
+    base = cluster.policy_params.get("slice")
+    assert base == {"segments": False}  # the CPU default leases whole sequences only
+    assert load_live_policy("slice", "", base).config.segments is False
+    assert load_live_policy("slice", '{"segments": true}', base).config.segments is True
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_live_policy("slice", "{segments", base)
+    with pytest.raises(ValueError, match="unknown parameter 'nope'"):
+        load_live_policy("slice", '{"nope": 1}', base)
+    with pytest.raises(ConfigError, match="policies.slice"):
+        parse_cluster({"devices": [{"id": "c", "backend": "cpu", "memory_gb": 1}], "policies": {"slice": 3}}, "x.yaml")

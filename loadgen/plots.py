@@ -9,6 +9,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
+
+def save_figure(fig, path: str | Path, dpi: int = 90) -> Path:
+    """Lay out ``fig``, write it to ``path`` (parents created) and close it; returns the path."""
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
 SweepPoint = tuple[float, float, float]  # (rate_scale, tokens_per_s, violation_rate)
 Interval = tuple[str, float, float, str]  # (device, start_s, end_s, label)
 
@@ -36,12 +46,7 @@ def plot_rate_sweep(results: Mapping[str, Sequence[SweepPoint]], path: str | Pat
     ax_t.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_device_timeline(intervals: Sequence[Interval], path: str | Path, *, title: str = "",
@@ -68,9 +73,4 @@ def plot_device_timeline(intervals: Sequence[Interval], path: str | Path, *, tit
     ax.legend(handles, labels, fontsize=7, ncol=min(6, len(labels)), loc="upper center",
               bbox_to_anchor=(0.5, -0.25 if len(devices) < 4 else -0.12))
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=110)

@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
+from loadgen.plots import save_figure  # noqa: E402
+
 
 OWN_COLOR = "#4c72b0"
 LEASE_ALPHA = 0.35
@@ -51,12 +53,7 @@ def plot_sweep(result: Mapping[str, Any], path: str | Path, title: str,
         ax.grid(alpha=0.3)
     ax_t.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 def plot_timeline(tl: Mapping[str, Any], path: str | Path, title: str) -> Path:
@@ -100,9 +97,4 @@ def plot_timeline(tl: Mapping[str, Any], path: str | Path, title: str) -> Path:
             labels.append(f"lease window: {tn}")
     ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

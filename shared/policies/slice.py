@@ -245,7 +245,10 @@ class SlicePolicy(Policy):
             grants.append(GrantLease(tenant, d.id, g.id, segs, cfg.lease_s, share, mem))
         if cfg.sequences:
             n_seq = sum(1 for lease in mine if lease.mode == "sequences")
-            for g in cands[: max(0, cfg.max_sequence_leases - n_seq)]:
+            # not on a device of the tenant's own container: routing already balances those, and a lane there
+            # would only stage a second copy of the weights beside the first
+            others = [g for g in cands if g.home_tenant != tenant]
+            for g in others[: max(0, cfg.max_sequence_leases - n_seq)]:
                 if any(x.tenant == tenant and x.mode == "sequences" for x in snapshot.leases_on(g.id)):
                     continue
                 share = self._share_for(g, snapshot, whatif)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Callable
 
 from shared.config import DeviceConfig
@@ -11,6 +12,7 @@ from shared.sim.lease import ACTIVE, DRAINING, SimLease
 from shared.sim.memory import DeviceMemory
 
 MIN_GUEST_SHARE = 0.02  # a guest lane is paused, not stopped, while the device's own tenant prefills
+LANE_WINDOW_S = 1.0  # exclusive lanes: guest vs own time is balanced over this window (as the worker's GuestLanes)
 
 
 class SimDevice:
@@ -20,7 +22,7 @@ class SimDevice:
                  "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "hosted", "last_engine",
                  "quantum_used", "quantum", "schedule", "switch_cost", "state", "pending_switch_s", "switches",
                  "used_s",
-                 "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin")
+                 "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin", "exclusive_lanes", "hist")
 
     def __init__(self, cfg: DeviceConfig, profile: DeviceProfile, headroom_fraction: float,
                  schedule: Callable[["SimDevice", float, int], None]) -> None:
@@ -51,6 +53,11 @@ class SimDevice:
         self.home_active = False  # lanes: was the parent's own tenant active when the current step was planned
         self.f_dyn = 0.0  # share of this device guests get while its own tenant is active (set every own step)
         self.yield_margin = 0.8
+        # Guest lanes ("sequences" leases) take whole iterations of this device at full speed, one at a time
+        # with its own steps, as a worker's compute thread runs them (services/worker/lanes.py); False: the
+        # older fluid model, where a lane runs beside the own tenant slowed to its share.
+        self.exclusive_lanes = True
+        self.hist: deque = deque()  # exclusive lanes: (end, seconds, guest?) of recent steps, for the share
 
     def make_lane(self, lease: SimLease) -> "SimDevice":
         """A guest lane: its own step loop over this device's memory, running under ``lease``'s share."""
@@ -61,6 +68,7 @@ class SimDevice:
         lane.cur, lane.version, lane.rr, lane.busy_s, lane.guest_busy_s = None, 0, 0, 0.0, 0.0
         lane.last_engine, lane.quantum_used, lane.switches, lane.switch_cost = None, 0, 0, None
         lane.sharing, lane.parent, lane.lease, lane.home_active = "exclusive", self, lease, False
+        lane.hist = self.hist
         self.lanes.append(lane)
         return lane
 
@@ -116,18 +124,63 @@ class SimDevice:
 
     def start(self, now: float) -> None:
         """If idle, pick an engine with work and schedule its next step."""
-        if self.cur is not None:
+        if self.exclusive_lanes:
+            if self.parent is not None:  # the device decides when a lane runs
+                p = self.parent
+                if p.cur is not None:
+                    p.interrupt(now)  # a closed-form run ends at the iteration in flight
+                else:
+                    p.start(now)
+                return
+            if self.cur is not None or any(lane.cur is not None for lane in self.lanes):
+                return
+            if self.lanes:
+                lane, waiting = self._lane_due(now)
+                if lane is not None:
+                    lane._step(now, single=True)
+                    return
+                self._step(now, single=waiting)
+                return
+        elif self.cur is not None:
             return
+        self._step(now, single=False)
+
+    def _lane_due(self, now: float) -> tuple["SimDevice | None", bool]:
+        """(lane to run now, whether a lane has work): a lane runs when the own tenant is idle, never while it has
+        prompts to prefill, and otherwise while the guest time over the last ``LANE_WINDOW_S`` is within the share
+        the own tenant yields (``f_dyn``, at least ``MIN_GUEST_SHARE``); the lane that ran longest ago goes
+        first."""
+        ready = [lane for lane in self.lanes if any(e.ready(now) for e in lane.engines)]
+        if not ready:
+            return None, False
+        lane = min(ready, key=lambda x: x.cur_end)
+        if not any(e.ready(now) for e in self.engines):
+            return lane, True
+        if any(e.waiting or e.prefilling for e in self.engines):
+            return None, True  # the own tenant's prompts first (its TTFT), as in the fluid model
+        h = self.hist
+        while h and h[0][0] < now - LANE_WINDOW_S:
+            h.popleft()
+        g = sum(d for _, d, guest in h if guest)
+        total = sum(d for _, d, _ in h)
+        seg = sum(x.share for x in self.hosted if x.mode == "segments" and x.state in (ACTIVE, DRAINING))
+        if g <= max(MIN_GUEST_SHARE, self.f_dyn - seg) * total:
+            return lane, True
+        return None, True
+
+    def _step(self, now: float, single: bool) -> None:
+        """Pick one of this device's (or lane's) engines with work and schedule its next step (one iteration when
+        ``single``, so that a waiting lane gets its turn at the next boundary)."""
         ready = [e for e in self.engines if e.ready(now)]
         if not ready:
             return
         eng = self._pick(ready)
         if self.parent is not None:
             self.home_active = self.parent.own_active()
-            eng.slowdown = 1.0 / max(1e-6, self.lane_share())
+            eng.slowdown = 1.0 if self.exclusive_lanes else 1.0 / max(1e-6, self.lane_share())
         else:
             eng.slowdown = 1.0
-        n, dur = eng.plan(now, exclusive=len(ready) == 1)
+        n, dur = eng.plan(now, exclusive=len(ready) == 1 and not single)
         if self.parent is None and (self.hosted or self.f_dyn):
             dur = self._yield(eng, n, dur, now)
         if self.sharing == "switch":
@@ -158,7 +211,12 @@ class SimDevice:
                 t_last = dur
             f = max(0.0, min(sum(x.share for x in running), 0.95, 1.0 - t_last / (self.yield_margin * eng.tpot_s)))
         self.f_dyn = f
-        if f != old:
+        if self.exclusive_lanes:
+            seg = [x for x in running if x.mode == "segments"]  # MLP offload still takes a fluid share
+            f = min(f, sum(x.share for x in seg))
+            if f <= 0.0:
+                return dur
+        elif f != old:
             self.sync_lanes(now, force=True)
         if f <= 0.0:
             return dur
@@ -177,6 +235,8 @@ class SimDevice:
             self.parent.guest_busy_s += dur / eng.slowdown
         else:
             self.busy_s += dur
+        if self.exclusive_lanes and (self.lanes or self.parent is not None):
+            self.hist.append((now, dur, self.parent is not None))
         if self.sharing == "weighted":
             self.used_s[eng.eid] = self.used_s.get(eng.eid, 0.0) + dur
         eng.complete(now, dur)
@@ -203,7 +263,7 @@ class SimDevice:
 
     def sync_lanes(self, now: float, force: bool = False) -> None:
         """The own tenant went from idle to active or back (or its yield changed): lanes re-time their step."""
-        if not self.lanes:
+        if not self.lanes or self.exclusive_lanes:
             return
         active = self.own_active()
         for lane in self.lanes:

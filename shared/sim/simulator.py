@@ -41,6 +41,7 @@ class SimConfig:
     closed_form: bool = True  # advance runs of identical decode iterations in one step
     drain_s: float = 300.0  # stop this long after the last arrival; unfinished requests count as failed
     timeline_points: int = 400
+    guest_lanes: str = "exclusive"  # "exclusive": lane iterations take the whole device in turn; "fluid": older model
 
 
 class Simulator:
@@ -50,6 +51,8 @@ class Simulator:
                  config: SimConfig | None = None, rng: random.Random | None = None) -> None:
         self.cluster, self.tenants_cfg, self.policy = cluster, tenants, policy
         self.cfg = config or SimConfig()
+        if self.cfg.guest_lanes not in ("exclusive", "fluid"):
+            raise ValueError(f"SimConfig.guest_lanes must be 'exclusive' or 'fluid', not {self.cfg.guest_lanes!r}")
         self.rng = rng or random.Random(0)
         self.now = 0.0
         self._heap: list = []
@@ -59,6 +62,7 @@ class Simulator:
         self.devices: dict[str, SimDevice] = {}
         for d in cluster.devices:
             self.devices[d.id] = SimDevice(d, load_profile(d.kind), cluster.headroom_fraction, self._schedule_step)
+            self.devices[d.id].exclusive_lanes = self.cfg.guest_lanes == "exclusive"
         self.snapshot = ClusterSnapshot(
             now=0.0, intra_host_link=cluster.intra_host_link, inter_host_link=cluster.inter_host_link,
             devices={d.id: DeviceState(d.id, d.kind, d.host, d.memory_bytes,

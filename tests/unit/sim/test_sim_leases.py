@@ -98,3 +98,50 @@ def test_guest_tenant_comes_first():
     b0 = solo.requests[0]
     assert b.first_token - b.arrival < (b0.first_token - b0.arrival) + 0.06
     assert b.first_token - b.arrival < t.get("t1").sla.ttft_ms / 1000
+
+
+def _run_lanes(lanes: str, reqs, duration_s=3.0):
+    c = small_cluster(2, 2)
+    t = small_tenants(c, ["llama-7b", "llama-7b"])
+    sim = Simulator(c, t, _OneLease("sequences", duration_s), SimConfig(guest_lanes=lanes), random.Random(0))
+    steps: list[tuple[float, float, bool]] = []  # (start, end, on a lane) of every step on d1
+    orig = sim._on_step
+
+    def on_step(dev):
+        if dev.id == "d1":
+            steps.append((dev.cur_start, sim.now, dev.parent is not None))
+        orig(dev)
+    sim._on_step = on_step
+    return sim, sim.run(Workload("lanes", tuple(reqs), t, 5.0, 0)), steps
+
+
+def _mixed_load():
+    own = [WorkloadRequest(f"b{i}", 0.05 + 0.01 * i, "t1", 200, 300) for i in range(8)]  # d1's tenant decodes
+    lane = [WorkloadRequest(f"a{i}", 0.4 + 0.05 * i, "t0", 1500, 20) for i in range(6)]  # prompts for the lane
+    return own + lane
+
+
+def test_exclusive_lanes_take_whole_iterations_in_turn():
+    """A lane's iteration and the device's own never overlap, and a lane iteration runs at full speed."""
+    sim, _, steps = _run_lanes("exclusive", _mixed_load())
+    lane_steps = [s for s in steps if s[2]]
+    own_steps = [s for s in steps if not s[2]]
+    assert lane_steps and own_steps
+    for a0, a1, _ in lane_steps:
+        for b0, b1, _ in own_steps:
+            assert a1 <= b0 + 1e-12 or b1 <= a0 + 1e-12, "a lane step overlapped an own step"
+    assert all(q.status == 2 for q in sim.requests)
+
+
+def test_exclusive_lanes_serve_prompts_sooner_than_fluid_sharing():
+    """Same share of the guest over time, but a prompt on the lane runs at full speed in turn instead of beside
+    the own tenant at a fraction of it; the own tenant stays inside its SLA either way."""
+    out = {}
+    for lanes in ("fluid", "exclusive"):
+        sim, r, _ = _run_lanes(lanes, _mixed_load())
+        on_lane = [q for q in sim.requests if q.rid.startswith("a") and q.engine.device.parent is not None]
+        assert on_lane
+        out[lanes] = (max(q.first_token - q.arrival for q in on_lane), r.tenants["t1"])
+    assert out["exclusive"][0] < out["fluid"][0]
+    for _, t1 in out.values():
+        assert t1["violation_rate"] == 0.0

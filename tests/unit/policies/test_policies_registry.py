@@ -103,3 +103,17 @@ def test_slice_without_segment_leases_grants_only_sequences(small):
         modes[segments] = {lz.mode for lz in [*sim.leases.leases.values(), *sim.leases.finished]}
     assert "segments" in modes[True]  # the workload does get segment leases when they are allowed
     assert modes[False] == {"sequences"}
+
+
+def test_slice_opens_no_sequences_lane_inside_its_own_container(small):
+    """The hot tenant has several devices; its "sequences" lanes go to other tenants' devices only (a lane on its
+    own container's device would stage a second copy of weights routing can already use)."""
+    c, t, _ = small
+    w = bursty_workload(t, [15.0, 1.0, 0.3, 0.3], 40.0, random.Random(4), burst_factor=10.0, mean_input=2000,
+                        mean_output=40)
+    pol = make_policy("slice")
+    sim = Simulator(c, t, pol, SimConfig(), random.Random(0))
+    sim.run(w)
+    lanes = [lz for lz in [*sim.leases.leases.values(), *sim.leases.finished] if lz.mode == "sequences"]
+    assert lanes and len(pol.devices_of["t0"]) > 1
+    assert all(lz.guest_dev.id not in pol.devices_of[lz.tenant] for lz in lanes)

@@ -145,3 +145,10 @@ def test_exclusive_lanes_serve_prompts_sooner_than_fluid_sharing():
     assert out["exclusive"][0] < out["fluid"][0]
     for _, t1 in out.values():
         assert t1["violation_rate"] == 0.0
+
+
+def test_unknown_lane_model_is_refused():
+    c = small_cluster(2, 2)
+    t = small_tenants(c, ["llama-7b", "llama-7b"])
+    with pytest.raises(ValueError, match="guest_lanes"):
+        Simulator(c, t, _OneLease("sequences"), SimConfig(guest_lanes="shared"), random.Random(0))

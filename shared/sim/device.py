@@ -81,9 +81,10 @@ class SimDevice:
         assert self.parent is not None and self.lease is not None
         return self.parent.share_for(self.lease)
     # ---------------------------------------------------------------- guest shares
-    def guest_share(self) -> float:
-        """Share of this device's time taken by active leases (slows its own engines)."""
-        return sum(lease.share for lease in self.hosted if lease.state in (ACTIVE, DRAINING))
+    def guest_share(self, mode: str | None = None) -> float:
+        """Share of this device's time taken by active leases (of ``mode`` only, if given)."""
+        return sum(lease.share for lease in self.hosted
+                   if lease.state in (ACTIVE, DRAINING) and (mode is None or lease.mode == mode))
 
     def committed_share(self) -> float:
         """Share promised to leases, staging ones included (what a new grant must fit beside)."""
@@ -163,8 +164,7 @@ class SimDevice:
             h.popleft()
         g = sum(d for _, d, guest in h if guest)
         total = sum(d for _, d, _ in h)
-        seg = sum(x.share for x in self.hosted if x.mode == "segments" and x.state in (ACTIVE, DRAINING))
-        if g <= max(MIN_GUEST_SHARE, self.f_dyn - seg) * total:
+        if g <= max(MIN_GUEST_SHARE, self.f_dyn - self.guest_share("segments")) * total:
             return lane, True
         return None, True
 
@@ -212,8 +212,7 @@ class SimDevice:
             f = max(0.0, min(sum(x.share for x in running), 0.95, 1.0 - t_last / (self.yield_margin * eng.tpot_s)))
         self.f_dyn = f
         if self.exclusive_lanes:
-            seg = [x for x in running if x.mode == "segments"]  # MLP offload still takes a fluid share
-            f = min(f, sum(x.share for x in seg))
+            f = min(f, self.guest_share("segments"))  # MLP offload still takes a fluid share
             if f <= 0.0:
                 return dur
         elif f != old:

@@ -47,6 +47,7 @@ class GuestLanes:
         self.window_s = window_s
         self._guest_time: deque[tuple[float, float]] = deque()  # (end_ts, seconds) of guest iterations
         self._home_time: deque[tuple[float, float]] = deque()
+        self._last_guest = False  # the last iteration next_engine chose was a lane's
 
     # ------------------------------------------------------------ leases
     def on_granted(self, msg: LeaseGranted) -> Lane | None:
@@ -97,7 +98,13 @@ class GuestLanes:
         (self._guest_time if guest else self._home_time).append((end, end - start))
 
     def next_engine(self, home) -> object | None:
-        """Which engine runs the next iteration: the home unless a lane is owed time (home-first, bounded share)."""
+        """Which engine runs the next iteration: the home unless a lane is owed time (home-first, bounded share),
+        and never two lane iterations in a row while the home has work (a run of them would stall its tokens)."""
+        eng = self._choose(home)
+        self._last_guest = eng is not None and eng is not home
+        return eng
+
+    def _choose(self, home) -> object | None:
         busy = [lane for lane in self.lanes.values() if lane.engine is not None and lane.engine.has_work()]
         if not busy:
             return home if home.has_work() else None
@@ -105,6 +112,8 @@ class GuestLanes:
         if not home.has_work():
             lane.last_used = time.monotonic()
             return lane.engine
+        if self._last_guest:
+            return home
         now = time.time()
         self._trim(now)
         g = sum(s for _, s in self._guest_time)

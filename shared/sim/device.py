@@ -148,9 +148,9 @@ class SimDevice:
 
     def _lane_due(self, now: float) -> tuple["SimDevice | None", bool]:
         """(lane to run now, whether a lane has work): a lane runs when the own tenant is idle, never while it has
-        prompts to prefill, and otherwise while the guest time over the last ``LANE_WINDOW_S`` is within the share
-        the own tenant yields (``f_dyn``, at least ``MIN_GUEST_SHARE``); the lane that ran longest ago goes
-        first."""
+        prompts to prefill, never twice in a row while it decodes (a run of lane iterations would stall its
+        tokens), and otherwise while the guest time over the last ``LANE_WINDOW_S`` is within the share the own
+        tenant yields (``f_dyn``, at least ``MIN_GUEST_SHARE``); the lane that ran longest ago goes first."""
         ready = [lane for lane in self.lanes if any(e.ready(now) for e in lane.engines)]
         if not ready:
             return None, False
@@ -162,6 +162,8 @@ class SimDevice:
         h = self.hist
         while h and h[0][0] < now - LANE_WINDOW_S:
             h.popleft()
+        if h and h[-1][2] and any(e.decoding for e in self.engines):
+            return None, True  # one lane iteration at most between two of the own tenant's (its TPOT)
         g = sum(d for _, d, guest in h if guest)
         total = sum(d for _, d, _ in h)
         if g <= max(MIN_GUEST_SHARE, self.f_dyn - self.guest_share("segments")) * total:

@@ -117,3 +117,19 @@ def test_slice_opens_no_sequences_lane_inside_its_own_container(small):
     lanes = [lz for lz in [*sim.leases.leases.values(), *sim.leases.finished] if lz.mode == "sequences"]
     assert lanes and len(pol.devices_of["t0"]) > 1
     assert all(lz.guest_dev.id not in pol.devices_of[lz.tenant] for lz in lanes)
+
+
+@pytest.mark.parametrize("behind,fraction,expected", [
+    ({"a"}, 0.5, False),  # one loaded device of four: routing balances it, no lease
+    ({"a", "b"}, 0.5, True),  # half the container behind: lease
+    ({"a"}, 0.0, True),  # the per-device rule alone
+    ({"a"}, 0.25, True),
+])
+def test_slice_seeks_for_a_tenant_only_when_enough_of_its_container_is_behind(behind, fraction, expected):
+    from types import SimpleNamespace
+    pol = make_policy("slice", {"tenant_behind_fraction": fraction})
+    pol.devices_of = {"t0": ["a", "b", "c", "d"]}
+    devs = {i: SimpleNamespace(id=i, home_tenant="t0", draining=False) for i in "abcd"}
+    snap = SimpleNamespace(devices=devs)
+    pol._behind = lambda d, s, w: d.id in behind
+    assert pol._tenant_behind("t0", devs["a"], snap, None) is expected

@@ -152,3 +152,14 @@ def test_unknown_lane_model_is_refused():
     t = small_tenants(c, ["llama-7b", "llama-7b"])
     with pytest.raises(ValueError, match="guest_lanes"):
         Simulator(c, t, _OneLease("sequences"), SimConfig(guest_lanes="shared"), random.Random(0))
+
+
+def test_exclusive_lanes_never_run_twice_in_a_row_while_the_own_tenant_decodes():
+    """Between two of the own tenant's iterations at most one lane iteration runs, so its tokens keep coming."""
+    sim, _, steps = _run_lanes("exclusive", _mixed_load())
+    steps.sort()
+    own = [s for s in steps if not s[2]]
+    first, last = own[0][0], own[-1][1]
+    lane_runs = [(a, b) for a, b in zip(steps, steps[1:]) if a[2] and b[2] and first <= a[0] and b[1] <= last]
+    assert sum(s[2] for s in steps) >= 3
+    assert not lane_runs, f"{len(lane_runs)} lane iterations followed another while the own tenant decoded"

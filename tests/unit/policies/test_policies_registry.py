@@ -133,3 +133,16 @@ def test_slice_seeks_for_a_tenant_only_when_enough_of_its_container_is_behind(be
     snap = SimpleNamespace(devices=devs)
     pol._behind = lambda d, s, w: d.id in behind
     assert pol._tenant_behind("t0", devs["a"], snap, None) is expected
+
+
+@pytest.mark.parametrize("stay,all_home", [(0.5, True), (0.0, False)])
+def test_pooled_bound_serves_a_light_load_at_home_as_container_does(stay, all_home):
+    """A bound must not lose to `container` where containers suffice: under light load every request stays on its
+    tenant's own devices (without the rule the bound spreads them and slows decoding where tenants mix)."""
+    c = small_cluster(6, 3)
+    t = small_tenants(c, ["llama-7b", "llama-7b", "llama-7b", "llama-13b"])
+    w = bursty_workload(t, [1.0, 0.5, 0.5, 0.3], 20.0, random.Random(2), burst_factor=1.0, mean_input=300)
+    sim = Simulator(c, t, make_policy("pooled-bound", {"stay_fraction": stay}), SimConfig(), random.Random(0))
+    sim.run(w)
+    home = [r.engine.device.id for r in sim.requests if sim.snapshot.devices[r.engine.device.id].home_tenant == r.tenant]
+    assert (len(home) == len(sim.requests)) is all_home

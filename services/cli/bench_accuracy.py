@@ -40,6 +40,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="measured window: arrivals in [0, D) (default 30; with --from-raw, the file's)")
     p.add_argument("--calibration-s", type=float, default=None,
                    help="seconds of synthetic calibration traffic replayed first (0: profile only)")
+    p.add_argument("--calibration-from", choices=("synthetic", "trace"), default=None,
+                   help="calibration traffic: synthetic Poisson (default) or a later window of the workload's own "
+                        "traces (same shape, other requests)")
     p.add_argument("--min-count", type=int, default=20,
                    help="segment buckets with fewer measured executions are left out of the segment MAPE")
     p.add_argument("--json", dest="json_out", default=None, help="write the errors and their detail here")
@@ -285,6 +288,24 @@ def calibration_requests(tenants, seconds: float, rate_rps: float = 2.0, seed: i
     return sorted(out, key=lambda r: r.arrival_s)
 
 
+def trace_calibration_requests(workload_file: str, seconds: float, gap_s: float = 300.0) -> list:
+    """Calibration traffic shaped like the measured phase: the same workload file (traces, popularity, rate,
+    caps) from a later window of each tenant's trace — its offset moved past the workload's duration by ``gap_s``
+    — and another seed, so no measured request is among them."""
+    import dataclasses
+
+    from loadgen.workload import read_workload_spec, workload_from_spec
+    from shared.workload import WorkloadRequest
+
+    spec = read_workload_spec(workload_file)
+    base = workload_from_spec(spec)
+    shift = spec.duration_s + gap_s
+    offsets = {t: m["offset_s"] + shift for t, m in base.meta["tenants"].items()}
+    cal = workload_from_spec(dataclasses.replace(spec, offsets=offsets, duration_s=seconds, seed=spec.seed + 1))
+    return [WorkloadRequest(f"cal-{r.request_id}", r.arrival_s, r.tenant, r.input_tokens, r.output_tokens)
+            for r in cal.requests if r.arrival_s < seconds]
+
+
 def measured_arrivals(workload_file: str, duration_s: float) -> tuple[Any, list]:
     """(workload, its arrivals in [0, D))."""
     from services.cli.simulate import load_workload_file
@@ -332,6 +353,13 @@ def run(args: argparse.Namespace) -> int:
             saved = json.loads(Path(args.from_raw).read_text()).get("settings") or {}
         except (ValueError, AttributeError):
             saved = {}
+    if getattr(args, "calibration_from", None) is None:
+        args.calibration_from = saved.get("calibration_from", "synthetic")
+    elif args.from_raw and args.calibration_from != saved.get("calibration_from", "synthetic"):
+        print(f"slicesched bench accuracy: --calibration-from {args.calibration_from} differs from the "
+              f"{saved.get('calibration_from', 'synthetic')} the raw measurements in {args.from_raw} were taken with",
+              file=sys.stderr)
+        return 2
     for name, default in (("duration_s", 30.0), ("calibration_s", 10.0)):
         if getattr(args, name) is None:
             setattr(args, name, float(saved.get(name, default)))
@@ -348,7 +376,12 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     tenants = load_tenants(args.tenants, cluster)
     w, evaluated = measured_arrivals(args.workload, args.duration_s)
-    calib = calibration_requests(tenants, args.calibration_s) if args.calibration_s > 0 else []
+    if args.calibration_s <= 0:
+        calib = []
+    elif args.calibration_from == "trace":
+        calib = trace_calibration_requests(args.workload, args.calibration_s)
+    else:
+        calib = calibration_requests(tenants, args.calibration_s)
     missing = sorted({r.tenant for r in evaluated + calib} - set(tenants.names()))
     if missing:
         raise ConfigError(args.tenants, "tenants", f"the workload's tenant {missing[0]!r} is not served by this mesh")
@@ -371,12 +404,13 @@ def run(args: argparse.Namespace) -> int:
             Path(args.raw_out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.raw_out).write_text(json.dumps({
                 "settings": {"workload": args.workload, "duration_s": args.duration_s,
-                             "calibration_s": args.calibration_s},
+                             "calibration_s": args.calibration_s, "calibration_from": args.calibration_from},
                 "phases": {k: v.to_dict() for k, v in phases.items()}}))
     mesh_s = time.perf_counter() - t0
     res = analyse(phases, cluster, tenants, evaluated, calib, args.min_count)
     prof = load_profile(cluster.devices[0].kind)
     res.update(workload=args.workload, duration_s=args.duration_s, calibration_s=args.calibration_s if calib else 0,
+               calibration_from=args.calibration_from if calib else None,
                requests=len(evaluated), machine=machine_description("cpu"),
                date=time.strftime("%Y-%m-%d", time.gmtime()), wall_s=time.perf_counter() - t0, mesh_s=mesh_s,
                profile={"kind": prof.kind, "source": prof.source, "file": prof.file},

@@ -30,8 +30,11 @@ def sim_checks(res: Mapping[str, Any]) -> dict[str, Any]:
     ahead = None if s9 is None or not present else all(s9 > pol[b]["tokens_per_s_9"] for b in present)
     others = [(n, _get(rat, n, "9")) for n in pol if n not in ("slice", "pooled-bound")]
     others = [(n, r) for n, r in others if r is not None]
+    beaten = {k for k in ("9", "1") if any(n == "slice" for n, _, _ in bound_below(res, k))}
     return {"ratio_9": _get(rat, "slice", "9"), "ratio_1": _get(rat, "slice", "1"),
-            "captured_9": _get(cap, "slice", "9"), "captured_1": _get(cap, "slice", "1"),
+            # no share where slice beats the bound: it is no upper bound there (the note says so)
+            "captured_9": None if "9" in beaten else _get(cap, "slice", "9"),
+            "captured_1": None if "1" in beaten else _get(cap, "slice", "1"),
             "ahead_9": ahead, "ahead_of": {b: (s9 > pol[b]["tokens_per_s_9"]) if s9 is not None else None
                                            for b in present},
             "best_baseline": max(others, key=lambda x: x[1]) if others else None}

@@ -122,6 +122,8 @@ def test_a_bound_that_is_no_upper_bound_is_called_out(out, tmp_path):
     text = results_markdown(load_results(out), out, tmp_path / "docs" / "results.md")
     assert "on azure-16mix-a1.3 at ≤ 9%, `pooled-bound` (7000.0 tok/s) is below `slice` (8000.0)" in text
     assert "at ≤ 1%, `pooled-bound`" not in text
+    c = sim_checks(load_results(out)["sim"]["azure-16mix-a1.3"])
+    assert c["captured_9"] is None and c["captured_1"] == pytest.approx(0.5)  # no share of a gain that is no bound
 
 
 def test_a_ratio_without_any_lease_is_flagged():

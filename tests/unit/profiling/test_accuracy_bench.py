@@ -157,3 +157,15 @@ def test_from_raw_takes_the_phase_lengths_the_measurements_were_taken_with(tmp_p
     # a phase length other than the one measured would analyse other requests than those measured: refused
     assert main(["bench", "accuracy", "--from-raw", str(saved), "--duration-s", "30"]) == 2
     assert "differs from the 6 the raw measurements" in capsys.readouterr().err
+
+
+def test_trace_calibration_is_shaped_like_the_workload_but_never_its_requests():
+    from services.cli.bench_accuracy import measured_arrivals, trace_calibration_requests
+    wl = "configs/workloads/tiny-bursty.yaml"
+    _, measured = measured_arrivals(wl, 30.0)
+    cal = trace_calibration_requests(wl, 20.0)
+    assert cal and all(0 <= r.arrival_s < 20.0 for r in cal)
+    assert {r.tenant for r in cal} <= {r.tenant for r in measured} | {"tiny-a", "tiny-b"}
+    assert not {r.request_id for r in cal} & {r.request_id for r in measured}
+    assert {(round(r.arrival_s, 3), r.input_tokens) for r in cal} != {(round(r.arrival_s, 3), r.input_tokens)
+                                                                      for r in measured if r.arrival_s < 20.0}

@@ -226,9 +226,6 @@ class SlicePolicy(Policy):
         tenant = d.home_tenant
         if tenant is None or d.draining or not (d.running or d.queued):
             return None
-        import os
-        if tenant in os.environ.get('NOLEASE', '').split(','):
-            return None
         last = self._last_seek.get(d.id)
         if last is not None and snapshot.now - last < cfg.min_seek_interval_s:
             return None

@@ -37,8 +37,11 @@ def test_snapshot_counts_the_workers_backlog():
 def test_cluster_policy_parameters_and_their_override():
     cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
     base = cluster.policy_params.get("slice")
-    assert base == {"segments": False}  # the CPU default leases whole sequences only
+    # the CPU default leases whole sequences only, each for 5 s (a CPU segment RPC costs milliseconds)
+    assert base == {"segments": False, "sequence_lease_s": 5.0}
     assert load_live_policy("slice", "", base).config.segments is False
+    assert load_live_policy("slice", "", base).config.sequence_lease_s == 5.0
+    assert load_live_policy("slice", '{"sequence_lease_s": 2.0}', base).config.sequence_lease_s == 2.0
     assert load_live_policy("slice", '{"segments": true}', base).config.segments is True
     with pytest.raises(ValueError, match="not valid JSON"):
         load_live_policy("slice", "{segments", base)

@@ -44,6 +44,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-scale", type=float, default=256.0)
     p.add_argument("--jobs", type=int, default=1,
                    help="policies searched in parallel (>1: each point in its own process)")
+    p.add_argument("--containers", choices=("sized", "homes"), default=None,
+                   help="sim: sized from offered work (default) or the tenants file's home devices; the meshes "
+                        "always run the home devices")
     p.add_argument("--json", dest="json_out", default=None)
 
 
@@ -54,12 +57,13 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float) -> dict[s
     if args.jobs <= 1:
         from services.cli.simulate import load_workload_file, simulate
         w = load_workload_file(args.workload, scale, args.seed, args.duration_s)
-        r = simulate(_cluster(args.cluster), w, policy, seed=args.seed)
+        r = simulate(_cluster(args.cluster), w, policy, seed=args.seed, containers=containers_of(args))
         return {k: r[k] for k in keep if k in r} | {"device_utilization_mean": r["total"]["device_utilization_mean"]}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "services.cli.main", "simulate", "--cluster", args.cluster, "--workload",
-               args.workload, "--policy", policy, "--rate-scale", repr(scale), "--json", str(out), "--progress", "off"]
+               args.workload, "--policy", policy, "--rate-scale", repr(scale), "--json", str(out), "--progress", "off",
+               "--containers", containers_of(args)]
         if args.seed is not None:
             cmd += ["--seed", str(args.seed)]
         if args.duration_s is not None:
@@ -69,6 +73,12 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float) -> dict[s
             raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
         r = json.loads(out.read_text())
     return {k: r[k] for k in keep if k in r} | {"device_utilization_mean": r["total"]["device_utilization_mean"]}
+
+
+def containers_of(args: argparse.Namespace) -> str:
+    """The containers a run uses: the mesh fidelities always run the tenants file's home devices."""
+    c = getattr(args, "containers", None)
+    return c or ("sized" if getattr(args, "fidelity", "sim") == "sim" else "homes")
 
 
 _CLUSTERS: dict[str, Any] = {}
@@ -159,7 +169,8 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
         results = dict(ex.map(search, policies))
     res: dict[str, Any] = {"policies": {p: results[p] for p in policies}, "fidelity": args.fidelity,
                            "workload": args.workload, "cluster": args.cluster, "seed": args.seed,
-                           "duration_s": args.duration_s, "wall_s": time.perf_counter() - t0}
+                           "duration_s": args.duration_s, "containers": containers_of(args),
+                           "wall_s": time.perf_counter() - t0}
     res["ratio_to_container"] = ratios(res["policies"])
     res["pooled_gain_captured"] = captured(res["policies"])
     res["runs"] = sorted(log, key=lambda x: (x["policy"], x["scale"]))
@@ -205,6 +216,10 @@ def run(args: argparse.Namespace) -> int:
     if bad or not policies:
         print(f"slicesched bench compare: unknown policy {', '.join(bad) or '(none)'}; valid: "
               f"{', '.join(POLICIES.names())}", file=sys.stderr)
+        return 2
+    if args.fidelity != "sim" and getattr(args, "containers", None) == "sized":
+        print(f"slicesched bench compare: --containers sized is for --fidelity sim; the {args.fidelity} mesh runs "
+              "the tenants file's home devices", file=sys.stderr)
         return 2
     load_cluster(args.cluster)
     if not Path(args.workload).is_file():

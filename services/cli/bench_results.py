@@ -95,10 +95,12 @@ def search_for(args: argparse.Namespace, kind: str) -> Search:
                   args.tolerance if args.tolerance is not None else base.tolerance, base.max_scale)
 
 
-def _compare_ns(workload: str, cluster: str, fidelity: str, s: Search, jobs: int) -> argparse.Namespace:
+def _compare_ns(workload: str, cluster: str, fidelity: str, s: Search, jobs: int,
+                containers: str | None = None) -> argparse.Namespace:
     return argparse.Namespace(workload=str(Path(workload).resolve()), cluster=str(Path(cluster).resolve()),
                               fidelity=fidelity, seed=None, duration_s=s.duration_s, start_scale=s.start_scale,
-                              tolerance=s.tolerance, max_scale=s.max_scale, jobs=jobs, json_out=None)
+                              tolerance=s.tolerance, max_scale=s.max_scale, jobs=jobs, json_out=None,
+                              containers=containers)
 
 
 def _full_duration(workload: str) -> float | None:
@@ -118,15 +120,16 @@ def _check_png(path: Path | None) -> None:
 
 
 def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str, s: Search, jobs: int,
-                 json_out: Path, cmd: str, quick: bool, hook: Any = None) -> dict[str, Any]:
+                 json_out: Path, cmd: str, quick: bool, hook: Any = None,
+                 containers: str | None = None) -> dict[str, Any]:
     """One ``bench compare`` run, with its ``meta`` block, saved to ``json_out``."""
     from services.cli.bench_compare import compare
     from services.results.meta import compare_command, describe_setup, run_meta
-    ns = _compare_ns(workload, cluster, fidelity, s, jobs)
+    ns = _compare_ns(workload, cluster, fidelity, s, jobs, containers)
     if hook is not None:
         ns.mesh_hook = hook
     opts = {"duration_s": s.duration_s, "start_scale": s.start_scale, "tolerance": s.tolerance,
-            "max_scale": s.max_scale, "jobs": jobs if fidelity == "sim" else None}
+            "max_scale": s.max_scale, "jobs": jobs if fidelity == "sim" else None, "containers": containers}
     print(f"bench results: {fidelity} {Path(workload).stem}: {', '.join(policies)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     res = compare(ns, policies)
@@ -170,9 +173,9 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
         (out / f"{fidelity}-timeline.json").unlink(missing_ok=True)
         (out / f"{fidelity}-timeline.png").unlink(missing_ok=True)
         print(f"slicesched bench results: no {fidelity} timeline was recorded", file=sys.stderr)
-    if fidelity == "emulated":
+    if fidelity == "emulated":  # predicted on the containers the mesh runs: the tenants file's home devices
         compare_part(wl, cluster, list(MESH_POLICIES), "sim", s, args.jobs, out / "emulated-prediction.json", cmd,
-                     args.quick)
+                     args.quick, containers="homes")
 
 
 def _split(s: str) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import ClusterConfig, ConfigError, load_cluster
+from shared.policies import CONTAINERS
 from shared.registry import UnknownNameError
 from shared.workload import Workload
 
@@ -24,7 +25,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", type=float, default=None, help="multiply arrival rates (default: the file's)")
     p.add_argument("--seed", type=int, default=None, help="override the workload's seed (arrivals and simulator)")
     p.add_argument("--duration-s", type=float, default=None, help="replay only the first D seconds")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter (repeat)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="policy parameter (repeat); overrides the cluster file's policies.<name> key by key")
+    p.add_argument("--containers", choices=CONTAINERS, default="sized",
+                   help="sized: containers sized from each tenant's offered work (default); homes: the tenants "
+                        "file's home devices, as the live mesh runs them")
     p.add_argument("--step-by-step", action="store_true", help="no closed-form decode runs (slower; for checks)")
     p.add_argument("--json", dest="json_out", default=None, help="write the metrics here")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="progress bar on stderr")
@@ -82,11 +87,14 @@ def check_tenants_fit(cluster: ClusterConfig, w: Workload) -> None:
 
 
 def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict[str, Any] | None = None,
-             seed: int | None = None, step_by_step: bool = False, progress: Any = None) -> dict[str, Any]:
-    """Run one simulation; returns the result dict with ``wall_s`` added."""
-    from shared.policies import make_policy
+             seed: int | None = None, step_by_step: bool = False, progress: Any = None,
+             containers: str = "sized") -> dict[str, Any]:
+    """Run one simulation; returns the result dict with ``wall_s`` added. The policy gets the cluster file's
+    ``policies.<name>`` overridden by ``params``, as the live scheduler does (:func:`policy_params`)."""
+    from shared.policies import make_policy, policy_params
     from shared.sim import SimConfig, Simulator
-    policy = make_policy(policy_name, params)
+    policy = make_policy(policy_name, policy_params(policy_name, cluster.policy_params.get(policy_name), params,
+                                                    containers))
     cfg = SimConfig(closed_form=not step_by_step)
     rng = random.Random(w.seed if seed is None else seed)
     t0 = time.perf_counter()
@@ -124,14 +132,14 @@ def run(args: argparse.Namespace) -> int:
     show = args.progress == "on" or (args.progress == "auto" and len(w.requests) >= PROGRESS_MIN_REQUESTS)
     bar, update = _bar(show)
     try:
-        out = simulate(cluster, w, args.policy, params, args.seed, args.step_by_step, update)
+        out = simulate(cluster, w, args.policy, params, args.seed, args.step_by_step, update, args.containers)
     except (UnknownNameError, PolicyConfigError) as e:
         print(f"slicesched simulate: {e}", file=sys.stderr)
         return 2
     finally:
         if bar is not None:
             bar.close()
-    out.update(cluster=args.cluster, workload_file=args.workload)
+    out.update(cluster=args.cluster, workload_file=args.workload, containers=args.containers)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=1))

@@ -71,6 +71,8 @@ def compare_command(workload: str, cluster: str, policies: Sequence[str], fideli
     for key in ("duration_s", "start_scale", "tolerance", "max_scale", "jobs"):
         if options.get(key) is not None:
             argv += [f"--{key.replace('_', '-')}", f"{options[key]:g}"]
+    if options.get("containers"):
+        argv += ["--containers", options["containers"]]
     argv += ["--json", display_path(json_out)]
     return shlex.join(argv)
 

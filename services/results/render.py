@@ -182,12 +182,13 @@ def emulated_section(em: Mapping[str, Any] | None, pred: Mapping[str, Any] | Non
     lines = ["## Emulated mesh", "",
              "Every real service (gateway, Redis, scheduler, GMG, simulator service, workers) with emulated devices: "
              "no tensor math, iteration time from the device profile, memory accounted. The simulator's prediction "
-             "for the same workload and cluster is shown beside the measurement, as a separate run and figure.", ""]
+             "for the same workload and cluster, on the same containers (the tenants file's home devices, "
+             "`--containers homes`), is shown beside the measurement, as a separate run and figure.", ""]
     if not em:
         return lines + ["_Not run yet._", ""]
     lines += ["### Measured (emulated mesh)", ""] + provenance(em["meta"]) + [""] + policy_table(em) + [""]
     if pred:
-        lines += ["### Predicted (simulated, same workload and cluster)", ""] + provenance(pred["meta"]) + [""]
+        lines += ["### Predicted (simulated, same workload, cluster and containers)", ""] + provenance(pred["meta"]) + [""]
         lines += policy_table(pred) + [""]
         c = emulated_checks(em, pred)
         lines += ["### Measured vs predicted", "",

@@ -45,10 +45,24 @@ class DeviceView:
     prefill_tokens: int = 0
     prefill_oldest_ts: float = 0.0
     placed_since: list = field(default_factory=list)
+    # other tenants' requests placed on this device's guest lanes since its last heartbeat: (ts, tenant, tokens)
+    lane_placed_since: list = field(default_factory=list)
 
     def on_heartbeat(self, ts: float, queued: int, prefill_tokens: int, oldest_ts: float) -> None:
         self.worker_queued, self.prefill_tokens, self.prefill_oldest_ts = queued, prefill_tokens, oldest_ts
         self.placed_since = [x for x in self.placed_since if x[0] > ts]
+        self.lane_placed_since = [x for x in self.lane_placed_since if x[0] > ts]
+
+    def lanes(self) -> dict[str, tuple[int, int, bool]]:
+        """tenant -> (outstanding, prompt tokens queued, accepting) per guest lane, as of the last heartbeat plus
+        what was placed on the lane since (without it, every placement between two heartbeats would see the
+        lane as empty and go there)."""
+        out = {t: (n, q, acc) for (t, n, q, acc) in self.guest_lanes}
+        for _, t, n in self.lane_placed_since:
+            if t in out:
+                o, q, acc = out[t]
+                out[t] = (o + 1, q + n, acc)
+        return out
 
     def backlog(self) -> tuple[int, int, float]:
         """(waiting requests, prompt tokens not yet prefilled, oldest arrival or inf) on the worker, including what

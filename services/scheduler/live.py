@@ -85,7 +85,7 @@ class SnapshotBuilder:
                 decode_kv_tokens=per_dev_ctx.get(d.id, 0), oldest_pending_s=oldest,
                 busy=float(row.get("busy_ratio") or 0) > 0.5 or bool(v and v.assigned), guest_share=share,
                 guest_yield=v.guest_share if v else 0.0,
-                guest_engines={t: (n, q, acc) for (t, n, q, acc) in (v.guest_lanes if v else [])},
+                guest_engines=v.lanes() if v else {},
                 resident=resident, draining=not (v.up if v else False))
         tenants = {}
         for t in self.tenants.tenants:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from shared.policies import POLICIES, Policy, make_policy
+from shared.policies import POLICIES, Policy, make_policy, policy_params
 
 
 def load_live_policy(name: str, params_json: str = "", base: dict | None = None) -> Policy:
@@ -18,6 +18,4 @@ def load_live_policy(name: str, params_json: str = "", base: dict | None = None)
         raise ValueError(f"SLICESCHED_POLICY_PARAMS is not valid JSON: {e}") from None
     if not isinstance(override, dict):
         raise ValueError("SLICESCHED_POLICY_PARAMS must be a JSON object of parameter -> value")
-    params = {**(base or {}), **override}
-    params.setdefault("resize", False) if "resize" in {f for f in getattr(cls.config_cls, "__dataclass_fields__", {})} else None
-    return make_policy(name, params)
+    return make_policy(name, policy_params(name, base, override, containers="homes"))

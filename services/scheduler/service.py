@@ -236,8 +236,11 @@ class SchedulerService:
             await self.producer.add(worker_stream(self.p, dev), AssignRequest(
                 msg_id=uuid.uuid4().hex, request=p.req, device=dev, kv_blocks=p.kv_blocks))
             self.assigned[rid] = (dev, p.req, view.worker_id)
-            if self.snapshots.home_of.get(dev) == p.req.tenant and len(view.placed_since) < 4096:
-                view.placed_since.append((time.time(), len(p.req.prompt_ids), p.req.arrival_ts))
+            if self.snapshots.home_of.get(dev) == p.req.tenant:
+                if len(view.placed_since) < 4096:
+                    view.placed_since.append((time.time(), len(p.req.prompt_ids), p.req.arrival_ts))
+            elif len(view.lane_placed_since) < 4096:
+                view.lane_placed_since.append((time.time(), p.req.tenant, len(p.req.prompt_ids)))
             self.core.queues.pop(p.req.tenant, rid)
             await self.redis.xack(requests_stream(self.p), GROUP_SCHEDULER, p.entry_id)
             self.m_decision.observe(time.perf_counter() - t0)

@@ -146,3 +146,15 @@ def test_pooled_bound_serves_a_light_load_at_home_as_container_does(stay, all_ho
     sim.run(w)
     home = [r.engine.device.id for r in sim.requests if sim.snapshot.devices[r.engine.device.id].home_tenant == r.tenant]
     assert (len(home) == len(sim.requests)) is all_home
+
+
+def test_policy_params_merge_and_containers():
+    from shared.policies import policy_params
+    assert policy_params("slice", {"segments": False, "lease_s": 2.0}, {"lease_s": 3.0}) == \
+        {"segments": False, "lease_s": 3.0}
+    assert policy_params("container", None, None, "homes") == {"resize": False}
+    assert policy_params("container", None, {"resize": True}, "homes") == {"resize": True}
+    assert policy_params("muxserve", None, None, "homes") == {}  # no containers to size
+    assert policy_params("slice", None, None, "sized") == {}
+    with pytest.raises(ValueError, match="containers must be one of"):
+        policy_params("slice", None, None, "all")

@@ -22,13 +22,27 @@ def test_device_view_backlog_is_the_heartbeat_plus_later_placements():
     assert v.backlog() == (0, 0, math.inf)
 
 
+def test_guest_lane_backlog_is_the_heartbeat_plus_later_placements():
+    v = DeviceView("d0", True, 1000, 0)
+    v.guest_lanes = [("t1", 2, 300, True)]
+    v.lane_placed_since += [(10.0, "t1", 100), (12.0, "t1", 50), (12.5, "t9", 70)]  # t9: no lane here (ignored)
+    assert v.lanes() == {"t1": (4, 450, True)}
+    v.on_heartbeat(11.0, queued=0, prefill_tokens=0, oldest_ts=0.0)  # it had seen the first placement
+    v.guest_lanes = [("t1", 3, 380, True)]
+    assert v.lanes() == {"t1": (4, 430, True)}
+
+
 def test_snapshot_counts_the_workers_backlog():
     cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
     tenants = load_tenants(REPO_CONFIGS / "tenants.yaml", cluster)
     core = SchedulerCore(cluster, tenants, load_live_policy("container"))
     views = {d.id: DeviceView(d.id, True, 10**9, 0) for d in cluster.devices}
     views["cpu0"].on_heartbeat(100.0, queued=5, prefill_tokens=900, oldest_ts=97.0)
+    guest = next(t.name for t in tenants.tenants if "cpu1" not in t.home_devices)
+    views["cpu1"].guest_lanes = [(guest, 0, 0, True)]
+    views["cpu1"].lane_placed_since.append((100.5, guest, 120))
     snap = SnapshotBuilder(cluster, tenants, core).build(101.0, views, {}, {}, {})
+    assert snap.devices["cpu1"].guest_engines == {guest: (1, 120, True)}
     d0, d1 = snap.devices["cpu0"], snap.devices["cpu1"]
     assert (d0.queued, d0.queued_prefill_tokens, d0.oldest_pending_s) == (5, 900, 97.0)
     assert (d1.queued, d1.queued_prefill_tokens) == (0, 0) and math.isinf(d1.oldest_pending_s)

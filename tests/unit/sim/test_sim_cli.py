@@ -109,3 +109,33 @@ def test_bench_compare_small(files, capsys):
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
                "--policies", "container", "--fidelity", "warp"])
     assert rc == 2
+
+
+def test_simulate_containers_sized_or_the_tenants_homes(files):
+    """``sized`` spreads the tenants over every device by offered work; ``homes`` keeps the tenants file's home
+    devices (as the live mesh runs), so g3 (no tenant's home) stays idle under ``container``."""
+    busy = {}
+    for mode in ("sized", "homes"):
+        out = files / f"{mode}.json"
+        rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+                   "--policy", "container", "--rate-scale", "2", "--containers", mode, "--json", str(out)])
+        assert rc == 0
+        r = json.loads(out.read_text())
+        assert r["containers"] == mode
+        busy[mode] = r["devices"]["g3"]["busy_s"]
+    assert busy["sized"] > 0 and busy["homes"] == 0
+
+
+def test_simulate_applies_the_cluster_files_policy_parameters(files, capsys):
+    data = yaml.safe_load((files / "cluster.yaml").read_text())
+    data["policies"] = {"slice": {"nope": 1}}
+    (files / "cluster.yaml").write_text(yaml.safe_dump(data))
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "slice", "--duration-s", "5"])
+    assert rc == 2 and "nope" in _one_line_error(capsys)
+
+
+def test_bench_compare_mesh_fidelity_refuses_sized_containers(files, capsys):
+    rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--policies", "container", "--fidelity", "emulated", "--containers", "sized"])
+    assert rc == 2 and "home devices" in _one_line_error(capsys)

@@ -6,7 +6,6 @@ import asyncio
 import math
 import time
 import uuid
-from dataclasses import dataclass
 
 import structlog
 
@@ -17,28 +16,11 @@ from shared.messages import LeaseGranted, LeaseRevoked, worker_stream
 from shared.model.graph import ModelGraph
 from shared.policies import (ClusterSnapshot, DeviceState, ExtendLease, GrantLease, LeaseState, RevokeLease,
                              TenantState)
+from shared.policies.rates import ArrivalStats
 from shared.streams import StreamProducer
 from services.scheduler.core import DeviceView, SchedulerCore
 
 log = structlog.get_logger()
-
-
-@dataclass
-class TenantRates:
-    """EWMA of a tenant's arrival rate and mean lengths (what the policies' TenantState carries)."""
-
-    rate_rps: float = 0.0
-    mean_input: float = 0.0
-    mean_output: float = 0.0
-    last_ts: float = 0.0
-
-    def observe(self, now: float, prompt: int, out: int, alpha: float = 0.1) -> None:
-        if self.last_ts:
-            gap = max(1e-3, now - self.last_ts)
-            self.rate_rps = (1 - alpha) * self.rate_rps + alpha / gap
-        self.last_ts = now
-        self.mean_input = prompt if not self.mean_input else (1 - alpha) * self.mean_input + alpha * prompt
-        self.mean_output = out if not self.mean_output else (1 - alpha) * self.mean_output + alpha * out
 
 
 class SnapshotBuilder:
@@ -46,7 +28,8 @@ class SnapshotBuilder:
 
     def __init__(self, cluster: ClusterConfig, tenants: TenantsConfig, core: SchedulerCore) -> None:
         self.cluster, self.tenants, self.core = cluster, tenants, core
-        self.rates = {t.name: TenantRates() for t in tenants.tenants}
+        start = time.time()
+        self.rates = {t.name: ArrivalStats(start=start) for t in tenants.tenants}
         self.home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
         self._parsed: dict[str, tuple[str, dict]] = {}  # device -> (raw "resident" field, parsed)
 
@@ -93,7 +76,7 @@ class SnapshotBuilder:
             tenants[t.name] = TenantState(t.name, t.model.config, t.sla, list(t.home_devices),
                                           queued=self.core.queues.depth(t.name),
                                           running=sum(1 for a in assigned.values() if a[1].tenant == t.name),
-                                          rate_rps=r.rate_rps, mean_input=r.mean_input, mean_output=r.mean_output)
+                                          rate_rps=r.rate(now), mean_input=r.mean_input, mean_output=r.mean_output)
         return ClusterSnapshot(now=now, devices=devices, tenants=tenants, leases=dict(leases),
                                intra_host_link=self.cluster.intra_host_link,
                                inter_host_link=self.cluster.inter_host_link)

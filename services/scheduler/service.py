@@ -147,6 +147,7 @@ class SchedulerService:
             "tenant": req.tenant, "gateway": req.gateway, "queued_ts": time.time(),
             "prompt_tokens": len(req.prompt_ids), "max_tokens": req.max_tokens})
         p = self.core.pending_for(req, d.entry_id, time.time())
+        self.snapshots.rates[req.tenant].observe(time.time(), len(req.prompt_ids), req.max_tokens)
         if not self.core.queues.push(p):
             await self._fail(req, 429, "tenant_queue_full", f"tenant {req.tenant} has too many queued requests",
                              state="rejected", retryable=True)
@@ -246,7 +247,6 @@ class SchedulerService:
             self.m_decision.observe(time.perf_counter() - t0)
             self.m_admitted.labels(p.req.tenant, dev).inc()
             self._arrivals.add(dev)
-            self.snapshots.rates[p.req.tenant].observe(time.time(), len(p.req.prompt_ids), p.req.max_tokens)
             log.debug("request_placed", tenant=p.req.tenant, request_id=rid, device=dev)
             return True
         return False

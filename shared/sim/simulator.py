@@ -8,7 +8,6 @@ staging done (the weight transfer over its link), lease end/revoke, reassignment
 from __future__ import annotations
 
 import heapq
-from collections import deque
 import math
 import random
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from shared.config import ClusterConfig, TenantsConfig
 from shared.costmodel import cost_for, load_profile
 from shared.policies.actions import Trigger
 from shared.policies.base import OfferedLoad, Policy
+from shared.policies.rates import ArrivalStats
 from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
 from shared.sim.device import SimDevice
 from shared.sim.engine import Engine
@@ -27,7 +27,6 @@ from shared.sim.request import FAILED, REJECTED, SimRequest
 from shared.workload import Workload
 
 STEP, TICK, STAGE_DONE, LEASE_END, RELOAD_DONE = 0, 1, 2, 3, 4
-RATE_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Simulator:
         self._fresh: set[str] = set()
         self.leases = LeaseBook(self)
         self.whatif = None
-        self._arrivals: dict[str, deque] = {}
+        self._arrivals: dict[str, ArrivalStats] = {}
         self._max_queue = {t.name: t.max_queue for t in tenants.tenants}
 
     # ---------------------------------------------------------------- ids and events
@@ -272,17 +271,12 @@ class Simulator:
             self.leases.apply(self.policy.decide(Trigger("arrival", req.tenant, did), self.snapshot, self.whatif))
 
     def _observe_arrival(self, ts: TenantState, req: SimRequest) -> None:
-        """Recent arrival rate (sliding window) and EWMA lengths, as the live scheduler would measure them."""
-        win = self._arrivals.setdefault(ts.name, deque())
-        win.append(self.now)
-        while win[0] < self.now - RATE_WINDOW_S:
-            win.popleft()
-        ts.rate_rps = len(win) / max(1.0, min(RATE_WINDOW_S, self.now))
-        if ts.mean_input == 0.0:
-            ts.mean_input, ts.mean_output = float(req.input), float(req.output)
-        else:
-            ts.mean_input += 0.05 * (req.input - ts.mean_input)
-            ts.mean_output += 0.05 * (req.output - ts.mean_output)
+        """Recent arrival rate and lengths, measured as the live scheduler measures them (:class:`ArrivalStats`)."""
+        st = self._arrivals.get(ts.name)
+        if st is None:
+            st = self._arrivals[ts.name] = ArrivalStats(start=0.0)
+        st.observe(self.now, req.input, req.output)
+        ts.rate_rps, ts.mean_input, ts.mean_output = st.rate_rps, st.mean_input, st.mean_output
 
     def _reject(self, req: SimRequest, ts: TenantState, status: int = REJECTED) -> None:
         req.status = status

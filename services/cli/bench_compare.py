@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shared.config import ConfigError, load_cluster
+from shared.policies import CONTAINERS
 
 BOUNDS = {"9": 0.09, "1": 0.01}
 
@@ -44,7 +45,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-scale", type=float, default=256.0)
     p.add_argument("--jobs", type=int, default=1,
                    help="policies searched in parallel (>1: each point in its own process)")
-    p.add_argument("--containers", choices=("sized", "homes"), default=None,
+    p.add_argument("--containers", choices=CONTAINERS, default=None,
                    help="sim: sized from offered work (default) or the tenants file's home devices; the meshes "
                         "always run the home devices")
     p.add_argument("--json", dest="json_out", default=None)

@@ -26,11 +26,8 @@ class ArrivalStats:
 
     def observe(self, now: float, prompt_tokens: float, output_tokens: float) -> None:
         """One arrival at ``now`` with these lengths (``output_tokens``: the expected or maximum output)."""
-        win = self._times
-        win.append(now)
-        while win[0] < now - self.window_s:
-            win.popleft()
-        self.rate_rps = len(win) / max(1.0, min(self.window_s, now - self.start))
+        self._times.append(now)
+        self.rate_rps = self.rate(now)
         if self.mean_input == 0.0:
             self.mean_input, self.mean_output = float(prompt_tokens), float(output_tokens)
         else:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import REPO_CONFIGS, ConfigError, load_cluster, load_tenants
-from shared.costmodel.accuracy import (BucketStats, ape_quantiles, memory_timeline_error, quantile_errors,
-                                       segment_errors)
+from shared.costmodel.accuracy import (BucketStats, ape, ape_quantiles, constant_floor, memory_timeline_error,
+                                       quantile_errors, segment_errors)
 
 DEFAULT_WORKLOAD = REPO_CONFIGS / "workloads" / "tiny-bursty.yaml"
 
@@ -99,6 +99,41 @@ def path_latency(m) -> tuple[float, float]:
     d_in = statistics.median(w["started"] - (r["sent_ts"] - m.t0_ts) for r, w in pairs)
     d_out = statistics.median((r["sent_ts"] - m.t0_ts + r["ttft_s"]) - w["first_token"] for r, w in pairs)
     return max(0.0, d_in), max(0.0, d_out)
+
+
+def solo_groups(m) -> dict[str, dict[tuple, list[tuple[str, float]]]]:
+    """Requests that ran alone on their device (no other request there between their worker start and finish),
+    grouped by identical work: TTFT by (device, tenant, prompt tokens), TPOT by (device, tenant, prompt tokens'
+    power-of-two bucket) — every decode step of such a request is one sequence over a similar context. Values are
+    (client request id, client-measured seconds)."""
+    from services.worker.core import tokens_bucket
+
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for w in m.worker_requests:
+        spans.setdefault(w["device"], []).append((w["started"], w["finish"]))
+    out: dict[str, dict[tuple, list[tuple[str, float]]]] = {"ttft": {}, "tpot": {}}
+    for r, w in match_requests(m):
+        a, b = w["started"], w["finish"]
+        if sum(1 for s, e in spans[w["device"]] if s < b and e > a) > 1:  # itself, and another
+            continue
+        if r.get("ttft_s"):
+            out["ttft"].setdefault((w["device"], w["tenant"], w["prompt_tokens"]), []).append((r["id"], r["ttft_s"]))
+        if r.get("tpot_s"):
+            key = (w["device"], w["tenant"], tokens_bucket(w["prompt_tokens"]))
+            out["tpot"].setdefault(key, []).append((r["id"], r["tpot_s"]))
+    return out
+
+
+def noise_floor(m, min_size: int = 5) -> dict[str, Any]:
+    """Per metric (``ttft``, ``tpot``): the median APE of the best constant predictor of each group of
+    :func:`solo_groups` (:func:`constant_floor`), and the request ids scored (for the variants' error on the
+    same requests)."""
+    out: dict[str, Any] = {}
+    for metric, groups in solo_groups(m).items():
+        kept = [g for g in groups.values() if len(g) >= min_size]
+        out[metric] = constant_floor([[v for _, v in g] for g in kept], min_size) | {
+            "ids": sorted(i for g in kept for i, _ in g)}
+    return out
 
 
 def loop_overhead(m) -> dict[str, float]:
@@ -175,8 +210,9 @@ def drift(m, per_execution: dict[tuple, float], alpha: float = 0.3) -> dict[str,
 
 
 # ---------------------------------------------------------------- errors of one replay
-def evaluate(m, rep, min_count: int) -> dict[str, Any]:
-    """All errors of one simulator replay against one measured phase."""
+def evaluate(m, rep, min_count: int, floor: dict[str, Any] | None = None) -> dict[str, Any]:
+    """All errors of one simulator replay against one measured phase (with ``floor``, :func:`noise_floor`'s
+    result, also the median APE on the requests it scored)."""
     rows, seg = segment_errors(measured_segments(m), pool(rep.segment_predictions()), min_count)
     dev_rows, dev_seg = segment_errors(measured_segments(m, pool_devices=False), rep.segment_predictions(),
                                        min_count)
@@ -200,6 +236,14 @@ def evaluate(m, rep, min_count: int) -> dict[str, Any]:
             # what a prediction of weights alone (no KV at all) would score: how much KV there was to predict
             weights_only[d] = memory_timeline_error(rep.memory[d][:1], pts, cap)["mean"]
     t_q, p_q = ape_quantiles(ttft), ape_quantiles(tpot)
+    solo = {}
+    for metric, field, i in (("ttft", "ttft_s", 0), ("tpot", "tpot_s", 1)):
+        if floor and floor[metric]["ids"]:
+            ids = set(floor[metric]["ids"])
+            errs = [ape(rep.requests[r["id"]][i], r[field]) for r in m.requests if r["id"] in ids
+                    and rep.requests.get(r["id"]) and rep.requests[r["id"]][i] is not None]
+            solo[metric] = {"median_ape": statistics.median(errs) if errs else float("nan"), "requests": len(errs),
+                            "noise_floor": floor[metric]["median"]}
     mem_mean = statistics.fmean(v["mean"] for v in mem.values()) if mem else float("nan")
     return {"segment_mape": seg["mape"], "ttft_median_ape": t_q["p50"], "tpot_median_ape": p_q["p50"],
             "memory_error_pct_capacity": mem_mean, "ttft_p90_ape": t_q["p90"], "tpot_p90_ape": p_q["p90"],
@@ -210,6 +254,7 @@ def evaluate(m, rep, min_count: int) -> dict[str, Any]:
                          "measured_ms": _q(real_ttft), "predicted_ms": _q(sim_ttft)},
                 "tpot": {"requests": len(tpot), "ape": p_q, "quantile_error": quantile_errors(sim_tpot, real_tpot),
                          "measured_ms": _q(real_tpot), "predicted_ms": _q(sim_tpot)},
+                "solo": solo,
                 "memory": {"per_device": mem, "max": max((v["max"] for v in mem.values()), default=float("nan")),
                            "weights_only_baseline": weights_only}}}
 
@@ -234,7 +279,8 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
 
     run = phases["run"]
     plain = replay(cluster, tenants, evaluated)
-    out: dict[str, Any] = {"profile_only": evaluate(run, plain, min_count)}
+    floor = noise_floor(run)
+    out: dict[str, Any] = {"profile_only": evaluate(run, plain, min_count, floor)}
     if "calibration" in phases and calibration:
         cal = phases["calibration"]
         cal_rep = replay(cluster, tenants, calibration)
@@ -250,12 +296,12 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
             return ModelCost(models[tenant], prof, factors.get(device, {}))
 
         calibrated = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out)
-        out["calibrated"] = evaluate(run, calibrated, min_count)
+        out["calibrated"] = evaluate(run, calibrated, min_count, floor)
         per_exec = {k: st.mean for k, st in calibrated.segment_predictions().items()}
         trend = drift(run, per_exec)
         online = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out,
                         drift=trend)
-        out["online"] = evaluate(run, online, min_count)
+        out["online"] = evaluate(run, online, min_count, floor)
         out["online"]["drift"] = {d: {"mean": statistics.fmean(g for _, g in pts), "min": min(g for _, g in pts),
                                       "max": max(g for _, g in pts)} for d, pts in trend.items()}
         out["calibration"] = {"requests": len(cal.requests), "correction_factors": factors,
@@ -263,6 +309,7 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
                               "profile_step_overhead_s": {d: load_profile(k).step_overhead_s
                                                           for d, k in kinds.items()}}
     head = out.get("calibrated", out["profile_only"])
+    out["noise_floor"] = {k: {x: v[x] for x in ("median", "items", "groups")} for k, v in floor.items()}
     return {k: head[k] for k in ("segment_mape", "ttft_median_ape", "tpot_median_ape", "memory_error_pct_capacity",
                                  "ttft_p90_ape", "tpot_p90_ape")} | {
         "headline": "calibrated" if "calibrated" in out else "profile_only", **out}
@@ -332,6 +379,16 @@ def print_report(res: dict[str, Any]) -> None:
                                ("tpot_p90_ape", "TPOT p90 APE", ""),
                                ("memory_error_pct_capacity", "memory error (mean, % of capacity)", "≤ 5%")):
         print(f"| {label} | {target} | " + " | ".join(_fmt(res[v][key]) for v in variants) + " |")
+    nf = res.get("noise_floor") or {}
+    if any(v["items"] for v in nf.values()):
+        print("\nrequests alone on their device, grouped by identical work: the noise floor (best one-value-per-group "
+              "predictor) against each variant on the same requests")
+        print("| metric | requests | noise floor | " + " | ".join(v.replace("_", " ") for v in variants) + " |")
+        print("|---|---:|---:|" + "---:|" * len(variants))
+        for k, label in (("ttft", "TTFT median APE"), ("tpot", "TPOT median APE")):
+            if nf.get(k, {}).get("items"):
+                print(f"| {label} | {nf[k]['items']} | {_fmt(nf[k]['median'])} | " + " | ".join(
+                    _fmt(res[v]["detail"]["solo"].get(k, {}).get("median_ape")) for v in variants) + " |")
     seg = res[res["headline"]]["detail"]["segments"]
     print(f"\nsegment buckets scored: {seg['summary']['keys']} (≥ {seg['min_count']} executions); noise floor of "
           f"the measured means {_fmt(seg['summary']['noise_floor'])}")

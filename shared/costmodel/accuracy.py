@@ -6,6 +6,7 @@
 * Requests: absolute percentage error of each request's TTFT and TPOT, summarised by its median and p90, and the
   error of the distribution's median and p90 themselves.
 * Memory over time: at each measured sample, |predicted − measured| bytes as a fraction of device capacity.
+* Noise floor of the request errors: what the best predictor that cannot tell identical work apart would score.
 """
 from __future__ import annotations
 
@@ -134,3 +135,25 @@ def memory_timeline_error(predicted: Sequence[tuple[float, float]], samples: Seq
         errs.append(abs(pred - b) / capacity)
     a = np.array(errs)
     return {"mean": float(a.mean()), "p90": float(np.percentile(a, 90)), "max": float(a.max()), "samples": len(a)}
+
+
+def constant_floor(groups: Iterable[Sequence[float]], min_size: int = 5) -> dict[str, float]:
+    """The median APE of the best predictor that gives every member of a group one value: each group (values
+    measured for identical work) is predicted by the constant that minimises that group's median APE (exactly),
+    and the per-item APEs of all groups with at least ``min_size`` members are pooled. A predictor that gives identical
+    work one value can hardly score below it: what is left is the run's timing noise, not a model error.
+    Returns ``median`` (nan for no group), ``items`` and ``groups`` scored."""
+    errs: list[float] = []
+    n = 0
+    for g in groups:
+        vals = [float(v) for v in g if v > 0]
+        if len(vals) < min_size:
+            continue
+        n += 1
+        v = np.array(vals)
+        # the median of the piecewise-linear |c − y|/y is lowest where one of them is 0 or two are equal
+        # ((c − a)/a = (b − c)/b at c = 2ab/(a + b)): every such point is a candidate, so the minimum is exact
+        cands = np.concatenate([v, (2 * np.outer(v, v) / np.add.outer(v, v)).ravel()])
+        e = np.abs(v[None, :] - cands[:, None]) / v[None, :]
+        errs.extend(e[int(np.argmin(np.median(e, axis=1)))].tolist())
+    return {"median": float(np.median(errs)) if errs else math.nan, "items": len(errs), "groups": n}

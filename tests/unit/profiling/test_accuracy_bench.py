@@ -10,7 +10,7 @@ import pytest
 from services.cli.accuracy_mesh import MeshMeasurement, SegmentBucket
 from services.cli.accuracy_sim import replay
 from services.cli.bench_accuracy import (calibration_requests, correction_factors, drift, loop_overhead,
-                                         match_requests, measured_segments, path_latency)
+                                         match_requests, measured_segments, noise_floor, path_latency, solo_groups)
 from services.cli.main import main
 from shared.config import REPO_CONFIGS, load_cluster, load_tenants
 from shared.costmodel import cost_for
@@ -78,6 +78,29 @@ def test_match_requests_and_path_latency():
     d_in, d_out = path_latency(m)
     assert d_in == pytest.approx(0.01)  # both requests reach the worker 10 ms after they are sent
     assert d_out == pytest.approx(0.01)  # and their first token reaches the client 10 ms after the worker has it
+
+
+def test_solo_groups_and_noise_floor():
+    recs, workers = [], []
+    for i in range(6):  # six requests alone on device d, identical work; TPOT 2 ms but one at 3 ms
+        recs.append({"id": f"a{i}", "tenant": "t", "status": "ok", "sent_ts": 1000.0 + i, "ttft_s": 0.05,
+                     "tpot_s": 0.003 if i == 5 else 0.002, "input_tokens": 100, "output_tokens": 4})
+        workers.append({"device": "d", "tenant": "t", "prompt_tokens": 100, "completion_tokens": 4,
+                        "started": i + 0.01, "first_token": i + 0.05, "finish": i + 0.1})
+    # and two that overlap each other on device d: not alone, never scored
+    for j, at in enumerate((10.0, 10.05)):
+        recs.append({"id": f"b{j}", "tenant": "t", "status": "ok", "sent_ts": 1000.0 + at, "ttft_s": 0.5,
+                     "tpot_s": 0.009, "input_tokens": 100, "output_tokens": 4})
+        workers.append({"device": "d", "tenant": "t", "prompt_tokens": 100, "completion_tokens": 4,
+                        "started": at + 0.01, "first_token": at + 0.05, "finish": at + 0.2})
+    m = _meas(requests=recs, worker_requests=workers)
+    groups = solo_groups(m)
+    assert [i for i, _ in groups["ttft"][("d", "t", 100)]] == [f"a{i}" for i in range(6)]
+    assert list(groups["tpot"]) == [("d", "t", 128)]  # TPOT grouped by the prompt's power-of-two bucket
+    nf = noise_floor(m)
+    assert nf["ttft"]["median"] == 0.0 and nf["tpot"]["median"] == 0.0  # five of six at 2 ms: median APE 0
+    assert nf["tpot"]["items"] == 6 and nf["tpot"]["ids"] == [f"a{i}" for i in range(6)]
+    assert noise_floor(m, min_size=7)["tpot"]["items"] == 0
 
 
 def test_loop_overhead_and_correction_factors():

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from shared.costmodel.accuracy import (BucketStats, ape, ape_quantiles, mape, memory_timeline_error,
+from shared.costmodel.accuracy import (BucketStats, ape, ape_quantiles, constant_floor, mape, memory_timeline_error,
                                        quantile_errors, segment_errors, value_at)
 
 
@@ -68,3 +68,17 @@ def test_memory_timeline_error_as_fraction_of_capacity():
     assert memory_timeline_error(predicted, [], 1000)["samples"] == 0
     with pytest.raises(ValueError):
         memory_timeline_error(predicted, samples, 0)
+
+
+def test_constant_floor_is_the_spread_of_identical_work():
+    # identical values: a constant predicts them exactly
+    assert constant_floor([[2.0] * 6])["median"] == 0.0
+    # 1, 1, 1, 2, 2: predicting 1 scores 0, 0, 0, 0.5, 0.5 -> median 0; nothing does better
+    assert constant_floor([[1.0, 1.0, 1.0, 2.0, 2.0]])["median"] == pytest.approx(0.0)
+    # 1, 2, 3, 4, 5: no constant gets three of them right; the best is c = 3.75, 1/4 off 3 and 5
+    f = constant_floor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    assert f["median"] == pytest.approx(0.25) and f["items"] == 5 and f["groups"] == 1
+    # groups are scored on their own constants and pooled; groups below min_size are left out
+    g = constant_floor([[1.0] * 5, [10.0] * 5, [3.0, 4.0]])
+    assert g == {"median": 0.0, "items": 10, "groups": 2}
+    assert math.isnan(constant_floor([[1.0, 2.0]])["median"])

@@ -63,6 +63,7 @@ class SnapshotBuilder:
                 id=d.id, kind=d.kind, host=d.host, capacity_bytes=d.memory_bytes,
                 headroom_bytes=d.memory_bytes - int(row.get("limit") or d.memory_bytes * (1 - self.cluster.headroom_fraction)),
                 home_tenant=home, tenants=[home] if home else [], used_bytes=int(row.get("reserved") or 0),
+                evictable_bytes=int(row.get("evictable") or 0),
                 queued=queued, running=max(running, v.assigned if v else 0),
                 queued_prefill_tokens=sum(len(p.req.prompt_ids) for p in q.values()) // n_home + w_prefill,
                 decode_kv_tokens=per_dev_ctx.get(d.id, 0), oldest_pending_s=oldest,
@@ -94,6 +95,9 @@ class LeaseManager:
         self.granted = self.revoked = self.expired = self.refused = self.extended = 0
         self.activation_bytes = activation_bytes
         self._resident: set[tuple[str, str, str]] = set()  # (guest, tenant, segment) this scheduler saw staged
+        self._last_used: dict[tuple[str, str, str], float] = {}  # (guest, tenant, segment) -> last lease on it
+        self.home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
+        self.evicted = 0
         self._seg_bytes = {t.name: {s.name: s.weight_bytes for s in ModelGraph.from_config(t.model.config).segments}
                            for t in tenants.tenants}
 
@@ -122,11 +126,17 @@ class LeaseManager:
             self._resident -= {(g.guest_device, g.tenant, s) for s in missing}
             self._resident |= {(g.guest_device, g.tenant, s) for s in here}
             res = await self.leases_store.commit(lease, stage={s: n for s, n in missing.items() if s not in here})
+        if isinstance(res, Refused) and res.reason == "insufficient_memory":
+            # cached weights of ended leases hold the memory: evict them (least recently used first) and retry
+            stage = {s: n for s, n in missing.items() if (g.guest_device, g.tenant, s) not in self._resident}
+            if await self.make_room(g.guest_device, sum(stage.values()) + lease.nbytes, keep=g.tenant):
+                res = await self.leases_store.commit(lease, stage=stage)
         if isinstance(res, Refused):
             self.refused += 1
             log.info("lease_refused", tenant=g.tenant, guest=g.guest_device, reason=res.reason, detail=res.detail)
             return None, []
         self._resident |= {(g.guest_device, g.tenant, s) for s in missing}
+        self._last_used.update({(g.guest_device, g.tenant, s): now for s in missing})
         st = LeaseState(lid, g.tenant, g.home_device, g.guest_device, tuple(g.segments), now, now + g.duration_s,
                         g.memory_bytes + self.activation_bytes, g.share, mode=getattr(g, "mode", "segments"),
                         state="active")
@@ -140,10 +150,39 @@ class LeaseManager:
         return st, [(worker_stream(self.p, d), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))
                     for d in (g.guest_device, g.home_device)]
 
+    async def make_room(self, device: str, need: int, keep: str = "") -> int:
+        """Evict weights staged on ``device`` that no active lease pins — least recently leased first, never the
+        device's home tenant's or ``keep``'s — until ``need`` bytes are free; returns the bytes evicted (0 when
+        nothing could be). The simulator stages the same way (``DeviceMemory.make_room``): cached weights are
+        reclaimable memory, not a reason to refuse a lease."""
+        row = await self.store.device(device)
+        free = int(float(row.get("limit") or 0)) - int(float(row.get("reserved") or 0))
+        if free >= need:
+            return 0
+        exclude = tuple(t for t in (self.home_of.get(device), keep) if t)
+        cands = sorted(await self.leases_store.unpinned(device, exclude),
+                       key=lambda e: self._last_used.get((device, e[0], e[1]), 0.0))
+        if free + sum(n for _, _, n in cands) < need:
+            return 0  # evicting would not make it fit: keep the cache
+        freed = 0
+        for tenant, seg, n in cands:
+            if free + freed >= need:
+                break
+            res = await self.leases_store.evict(device, tenant, [seg])
+            if isinstance(res, Refused):  # pinned or evicted meanwhile
+                continue
+            freed += res
+            self.evicted += 1
+            self._resident.discard((device, tenant, seg))
+            log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=res, by="scheduler")
+        return freed
+
     async def revoke(self, lease_id: str, reason: str, state: str = "revoked") -> bool:
         st = self.active.pop(lease_id, None)
         if st is None:
             return False
+        now = time.time()
+        self._last_used.update({(st.guest_device, st.tenant, s): now for s in st.segments})
         await self.leases_store.close(lease_id, state, reason)
         msg = dict(lease_id=lease_id, tenant=st.tenant, home_device=st.home_device, guest_device=st.guest_device,
                    reason=reason)

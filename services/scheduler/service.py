@@ -23,6 +23,7 @@ from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.scheduler.core import DeviceView, Pending, SchedulerCore
 from services.scheduler.live import LeaseManager, SnapshotBuilder
 from shared.gmg.keys import GMGKeys
+from shared.gmg.leases import unpinned_entries
 from shared.policies import Trigger
 
 log = structlog.get_logger()
@@ -340,9 +341,15 @@ class SchedulerService:
         keys = GMGKeys(self.p)
         pipe = self.redis.pipeline(transaction=False)
         for did in rows:
-            pipe.hkeys(keys.resident(did))
-        for did, res in zip(list(rows), await pipe.execute()):
+            pipe.hgetall(keys.resident(did))
+            pipe.hgetall(keys.pins(did))
+        replies = await pipe.execute()
+        for i, did in enumerate(list(rows)):
+            res, pins = replies[2 * i], replies[2 * i + 1]
             rows[did]["resident"] = ",".join(r.decode() if isinstance(r, bytes) else r for r in res)
+            home = self.snapshots.home_of.get(did)
+            # weights staged here that no active lease pins: a cache the lease manager evicts when it needs room
+            rows[did]["evictable"] = sum(n for _, _, n in unpinned_entries(res, pins, (home,) if home else ()))
         self.rows = rows
         now = time.time()
         for did, h in rows.items():

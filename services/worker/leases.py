@@ -315,6 +315,14 @@ class LeaseAgent:
         low-water mark or the local cache bound is exceeded."""
         if self.guest is None or not self.weights.entries():
             return []
+        # the scheduler evicts unpinned cached weights in the GMG when a lease needs the room: free ours too
+        staged = await self.gmg.redis.hgetall(self.gmg.keys.resident(self.device.id))
+        resident = {(f.decode() if isinstance(f, bytes) else f) for f in staged}
+        pinned = self.guest.pinned()
+        for tenant, seg, nbytes in self.weights.evictable(pinned):
+            if f"{tenant}|{seg}" not in resident:
+                self.weights.drop(tenant, seg)
+                log.info("staged_weights_evicted", tenant=tenant, segment=seg, bytes=nbytes, gmg="evicted_there")
         row = await self.gmg.device(self.device.id)
         need = 0
         if row.get("limit"):

@@ -141,6 +141,15 @@ class LeaseStore:
         vals = await self.store.redis.hmget(self.keys.resident(device), [f"{tenant}|{s}" for s in segs])
         return {s for s, v in zip(segs, vals) if v is not None}
 
+    async def unpinned(self, device: str, exclude: tuple[str, ...] = ()) -> list[tuple[str, str, int]]:
+        """(tenant, segment, bytes) of the weights resident on ``device`` that no active lease pins, leaving out
+        the tenants in ``exclude`` (pass the device's home tenant: home weights are never evicted)."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.resident(device))
+        pipe.hgetall(self.keys.pins(device))
+        res, pins = await pipe.execute()
+        return unpinned_entries(res, pins, exclude)
+
     async def stage(self, device: str, tenant: str, segments: dict[str, int]) -> int | Refused:
         """Reserve memory for ``segments`` (name -> bytes) of ``tenant`` on ``device`` and mark them resident;
         refused when one is resident there already (staged before, or the device is the tenant's home)."""
@@ -166,6 +175,20 @@ class LeaseStore:
         if isinstance(res, Refused):
             return Refused("not_staged" if res.detail.startswith("weights:") else "pinned", device, res.detail)
         return res[0]
+
+
+def unpinned_entries(resident: dict, pins: dict, exclude=()) -> list[tuple[str, str, int]]:
+    """(tenant, segment, bytes) of a device's ``resident`` hash entries whose ``pins`` count is 0, tenants in
+    ``exclude`` left out (raw HGETALL replies, bytes or str)."""
+    pinned = {_s(f): int(_s(v) or 0) for f, v in pins.items()}
+    out = []
+    for f, n in resident.items():
+        field = _s(f)
+        tenant, _, seg = field.partition("|")
+        if tenant in exclude or pinned.get(field, 0) > 0:
+            continue
+        out.append((tenant, seg, int(float(_s(n) or 0))))
+    return out
 
 
 async def expire_leases(store: GMGStore, now: float) -> list[str]:

@@ -71,3 +71,43 @@ async def test_grants_commit_concurrently_and_stale_residency_falls_back(redis, 
     before = len(await _granted(redis, prefix, "h0"))
     assert await mgr.grant(_grant("g1", ("mlp[3]",)), now=103.0) is None
     assert mgr.refused == 1 and len(await _granted(redis, prefix, "h0")) == before
+
+
+async def test_cached_weights_of_ended_leases_are_evicted_to_make_room(redis, prefix):
+    """Weights staged for leases that ended stay cached on the guest (no lease pins them); a grant that needs the
+    memory evicts them, least recently leased first, never the device's home weights nor the weights of an
+    active lease. The snapshot counts them as evictable, as the simulator does."""
+    from shared.gmg.leases import unpinned_entries
+
+    store = GMGStore(redis, prefix)
+    await store.register_cluster(CLUSTER, TENANTS)
+    await store.reserve([Reservation("g0", "weights:b:home", "weights", "b", 1 << 20)])
+    mgr = LeaseManager(prefix, store, StreamProducer(redis), TENANTS, activation_bytes=4096)
+    ls = LeaseStore(store)
+    old = GrantLease("a", "h0", "g0", ("mlp[0]",), 30.0, 0.5, 1 << 20)
+    newer = GrantLease("c", "g1", "g0", ("mlp[1]",), 30.0, 0.5, 1 << 20)
+    pinned = GrantLease("a", "h0", "g0", ("mlp[2]",), 30.0, 0.5, 1 << 20)
+    for i, g in enumerate((old, newer, pinned)):
+        assert await mgr.grant(g, now=100.0 + i) is not None
+    for lid in [lid for lid, st in mgr.active.items() if st.segments != ("mlp[2]",)]:
+        await mgr.revoke(lid, "test")  # mlp[0] of a, then mlp[1] of c: both cached, unpinned
+    cached = {(t, s) for t, s, _ in await ls.unpinned("g0", ("b",))}
+    assert cached == {("a", "mlp[0]"), ("c", "mlp[1]")}  # mlp[2] is pinned by its active lease
+    # fill the device so that a new lease does not fit without one of the cached segments
+    row = await store.device("g0")
+    free = int(row["limit"]) - int(row["reserved"])
+    seg = mgr._seg_bytes["a"]["mlp[0]"]
+    assert isinstance(await store.reserve([Reservation("g0", "kv:filler", "kv", "b", free - seg // 2)]), int)
+    st = await mgr.grant(GrantLease("c", "g1", "g0", ("mlp[3]",), 30.0, 0.5, 1 << 20), now=110.0)
+    assert st is not None and mgr.evicted == 1
+    left = {(t, s) for t, s, _ in await ls.unpinned("g0", ("b",))}
+    assert ("a", "mlp[0]") not in left  # the least recently leased one went first
+    assert "weights:a:mlp[2]" in await store.reservations("g0")  # the active lease's weights stayed
+    # nothing evictable can make a huge lease fit: refused, and the cache is kept
+    assert await mgr.make_room("g0", 1 << 40) == 0 and ("c", "mlp[1]") in {
+        (t, s) for t, s, _ in await ls.unpinned("g0", ("b",))}
+    # the snapshot's evictable bytes: unpinned staged weights, home tenant left out
+    k = store.keys
+    res, pins = await redis.hgetall(k.resident("g0")), await redis.hgetall(k.pins("g0"))
+    assert sum(n for _, _, n in unpinned_entries(res, pins, ("b",))) == sum(
+        n for _, _, n in await ls.unpinned("g0", ("b",))) > 0

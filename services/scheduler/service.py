@@ -220,7 +220,11 @@ class SchedulerService:
         dev = self.core.policy.route(p.req.tenant, len(p.req.prompt_ids), p.req.max_tokens, snap)
         for dev in ([dev] if dev is not None and dev in self.devices and self.devices[dev].up else []):
             view = self.devices[dev]
-            res = await self.gmg.reserve([Reservation(dev, f"kv:{p.req.request_id}", "kv", p.req.tenant, p.kv_bytes)])
+            kv = [Reservation(dev, f"kv:{p.req.request_id}", "kv", p.req.tenant, p.kv_bytes)]
+            res = await self.gmg.reserve(kv)
+            if isinstance(res, Refused) and res.reason == "insufficient_memory" \
+                    and await self.lease_mgr.make_room(dev, p.kv_bytes):
+                res = await self.gmg.reserve(kv)  # cached guest weights made way, as the simulator's admission does
             if isinstance(res, Refused):
                 if res.reason == "duplicate":  # reserved before a restart: reuse it
                     pass

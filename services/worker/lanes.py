@@ -1,8 +1,9 @@
 """Guest lanes: the second lease mode (DESIGN §4). Under a ``sequences`` lease, new sequences of another tenant are
 placed on this device with their KV here and run whole iterations here, in a guest engine holding that tenant's
 full model (staged from its checkpoint or seed). Home work has priority: while the home tenant has work, lanes
-get at most the leases' ``share`` of the device's time, decided at iteration boundaries. A revoked lease stops new
-placements; sequences already here finish (their KV and results stay valid). Staged engines stay cached for
+get at most the leases' ``share`` of the device's time, decided at iteration boundaries. A revoked or expired lease
+stops new placements; sequences already here finish under its share (their KV and results stay valid), as the
+simulator's draining leases do. Staged engines stay cached for
 reuse until the device's own tenant needs the memory."""
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Lane:
     tenant: str
     engine: object | None = None
     leases: dict[str, LeaseGranted] = field(default_factory=dict)
+    draining: dict[str, LeaseGranted] = field(default_factory=dict)  # ended leases whose sequences still run here
     staging: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
@@ -34,7 +36,11 @@ class Lane:
         return self.engine is not None and bool(self.leases)
 
     def share(self) -> float:
-        return min(0.95, sum(m.share for m in self.leases.values()))
+        """The active leases' share; with none, the ended leases' while sequences admitted under them run."""
+        active = sum(m.share for m in self.leases.values())
+        if active or not self.draining:
+            return min(0.95, active)
+        return min(0.95, sum(m.share for m in self.draining.values()))
 
 
 class GuestLanes:
@@ -74,7 +80,9 @@ class GuestLanes:
     def on_revoked(self, msg: LeaseRevoked) -> None:
         lane = self.lanes.get(msg.tenant)
         if lane is not None:
-            lane.leases.pop(msg.lease_id, None)
+            ended = lane.leases.pop(msg.lease_id, None)
+            if ended is not None and lane.engine is not None and lane.engine.has_work():
+                lane.draining[msg.lease_id] = ended
 
     # ------------------------------------------------------------ requests
     def engine_for(self, tenant: str):
@@ -105,7 +113,12 @@ class GuestLanes:
         return eng
 
     def _choose(self, home) -> object | None:
-        busy = [lane for lane in self.lanes.values() if lane.engine is not None and lane.engine.has_work()]
+        busy = []
+        for lane in self.lanes.values():
+            if lane.engine is not None and lane.engine.has_work():
+                busy.append(lane)
+            elif lane.draining:
+                lane.draining.clear()  # its sequences are done
         if not busy:
             return home if home.has_work() else None
         lane = min(busy, key=lambda x: x.last_used)
@@ -118,7 +131,7 @@ class GuestLanes:
         self._trim(now)
         g = sum(s for _, s in self._guest_time)
         h = sum(s for _, s in self._home_time)
-        share = max((x.share() for x in busy), default=0.0) or 0.1  # a revoked lane still finishes, slowly
+        share = max((x.share() for x in busy), default=0.0) or 0.1  # floor: a lane whose leases all ended
         if g <= share * (g + h):
             lane.last_used = time.monotonic()
             return lane.engine

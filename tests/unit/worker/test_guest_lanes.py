@@ -52,3 +52,18 @@ def test_the_lane_keeps_within_its_share(monkeypatch):
     monkeypatch.setattr("services.worker.lanes.time.time", lambda: next(clock))
     seq = _run(gl, home, 100)
     assert 0.1 <= sum(seq) / len(seq) <= 0.25
+
+
+def test_an_ended_lease_keeps_its_share_until_its_sequences_finish(monkeypatch):
+    gl, home, guest = _lanes(share=0.4)
+    gl.on_revoked(SimpleNamespace(tenant="tb", lease_id="l1"))
+    lane = gl.lanes["tb"]
+    assert not lane.accepting and gl.engine_for("tb") is None  # no new sequences
+    assert lane.share() == 0.4  # but those admitted under the lease keep its share
+    clock = iter(1000.0 + 0.01 * i for i in range(1000))
+    monkeypatch.setattr("services.worker.lanes.time.time", lambda: next(clock))
+    seq = _run(gl, home, 100)
+    assert 0.3 <= sum(seq) / len(seq) <= 0.45
+    guest.work = False  # done: the ended lease is forgotten
+    gl.next_engine(home)
+    assert lane.share() == 0.0 and not lane.draining

@@ -71,8 +71,7 @@ def main() -> int:
                       max_running=engine.max_running)
 
     lanes = GuestLanes({t.name: t for t in tenants.tenants if t.name != tenant.name}, lane_engine,
-                       lambda t: lane_kv_blocks(device, cluster.headroom_fraction, model.weight_bytes, t),
-                       home_tpot_s=tenant.sla.tpot_ms / 1e3)
+                       lambda t: lane_kv_blocks(device, cluster.headroom_fraction, model.weight_bytes, t))
     asyncio.run(WorkerService(settings, cluster, device, tenant, engine, tenants=tenants,
                               lease_options=lease_options, lanes=lanes).run())
     return 0

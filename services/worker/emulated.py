@@ -155,8 +155,7 @@ def main() -> int:
 
             lanes = GuestLanes({t.name: t for t in tenants.tenants if t.name != tenant.name}, lane_engine,
                                lambda t, _d=dev, _w=cfg.weight_bytes(): lane_kv_blocks(_d, cluster.headroom_fraction,
-                                                                                       _w, t),
-                               home_tpot_s=tenant.sla.tpot_ms / 1e3)
+                                                                                       _w, t))
             services.append(WorkerService(settings, cluster, dev, tenant, eng, tenants=tenants, lanes=lanes))
         await asyncio.gather(*(s.run() for s in services))
 

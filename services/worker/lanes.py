@@ -1,11 +1,10 @@
 """Guest lanes: the second lease mode (DESIGN §4). Under a ``sequences`` lease, new sequences of another tenant are
 placed on this device with their KV here and run whole iterations here, in a guest engine holding that tenant's
-full model (staged from its checkpoint or seed). Home work has priority, as in the simulator: while the home tenant
-has prompts to prefill, lanes wait; while it decodes, they get at most the leases' ``share`` of the device's time,
-capped so that the home's iterations stay within its TPOT target (``yield_share``), decided at iteration
-boundaries. A revoked or expired lease stops new placements; sequences already here finish under its share (their
-KV and results stay valid), as the simulator's draining leases do. Staged engines stay cached for reuse until the
-device's own tenant needs the memory."""
+full model (staged from its checkpoint or seed). Home work has priority: while the home tenant has work, lanes
+get at most the leases' ``share`` of the device's time, decided at iteration boundaries. A revoked or expired lease
+stops new placements; sequences already here finish under its share (their KV and results stay valid), as the
+simulator's draining leases do. Staged engines stay cached for
+reuse until the device's own tenant needs the memory."""
 from __future__ import annotations
 
 import time
@@ -17,7 +16,6 @@ import structlog
 
 from shared.config import TenantConfig
 from shared.messages import LeaseGranted, LeaseRevoked
-from shared.sim.device import MIN_GUEST_SHARE
 
 log = structlog.get_logger()
 
@@ -49,13 +47,10 @@ class GuestLanes:
     """Guest engines per tenant on one device, and the home-first time sharing between them and the home."""
 
     def __init__(self, tenants: dict[str, TenantConfig], factory: EngineFactory, kv_blocks_for: Callable[[TenantConfig], int],
-                 window_s: float = 1.0, home_tpot_s: float | None = None, yield_margin: float = 0.8) -> None:
+                 window_s: float = 1.0) -> None:
         self.tenants, self.factory, self.kv_blocks_for = tenants, factory, kv_blocks_for
         self.lanes: dict[str, Lane] = {}
         self.window_s = window_s
-        self.home_tpot_s, self.yield_margin = home_tpot_s, yield_margin
-        self.last_home_s = 0.0  # the home's last iteration
-        self.current_yield = 0.0  # what the home yields to lanes while it has work (reported in heartbeats)
         self._guest_time: deque[tuple[float, float]] = deque()  # (end_ts, seconds) of guest iterations
         self._home_time: deque[tuple[float, float]] = deque()
         self._last_guest = False  # the last iteration next_engine chose was a lane's
@@ -109,8 +104,6 @@ class GuestLanes:
 
     def record(self, guest: bool, start: float, end: float) -> None:
         (self._guest_time if guest else self._home_time).append((end, end - start))
-        if not guest:
-            self.last_home_s = end - start
 
     def next_engine(self, home) -> object | None:
         """Which engine runs the next iteration: the home unless a lane is owed time (home-first, bounded share),
@@ -134,30 +127,15 @@ class GuestLanes:
             return lane.engine
         if self._last_guest:
             return home
-        f = self.yield_share(home)
-        if f <= 0.0:
-            return home  # the home's prompts come first (its TTFT)
         now = time.time()
         self._trim(now)
         g = sum(s for _, s in self._guest_time)
         h = sum(s for _, s in self._home_time)
-        if g <= max(MIN_GUEST_SHARE, f) * (g + h):
+        share = max((x.share() for x in busy), default=0.0) or 0.1  # floor: a lane whose leases all ended
+        if g <= share * (g + h):
             lane.last_used = time.monotonic()
             return lane.engine
         return home
-
-    def yield_share(self, home) -> float:
-        """Share of the device the lanes may take while the home has work — the simulator's ``f_dyn``: nothing
-        while the home has prompts to prefill; otherwise the leases' share, capped so that the home's iteration,
-        stretched by it, stays within ``yield_margin`` × its TPOT target (when the target is known)."""
-        if home.prefill_backlog()[0] > 0:
-            f = 0.0
-        else:
-            f = self.share()
-            if f > 0.0 and self.home_tpot_s and self.last_home_s > 0.0:
-                f = min(f, max(0.0, 1.0 - self.last_home_s / (self.yield_margin * self.home_tpot_s)))
-        self.current_yield = f
-        return f
 
     def status(self) -> list[tuple[str, int, int, bool]]:
         out = []

@@ -460,7 +460,7 @@ class WorkerService:
                              running=len(e.running_ids()), queued=len(e.waiting_ids()), busy_ratio=min(1.0, busy),
                              queued_prefill_tokens=backlog, prefill_oldest_ts=min(arrivals, default=0.0),
                              guest_lanes=self.lanes.status() if self.lanes is not None else [],
-                             guest_share=self.lanes.current_yield if self.lanes is not None else 0.0)
+                             guest_share=self.lanes.share() if self.lanes is not None else 0.0)
         items = [(events_stream(self.p), hb)]
         if self.lease_agent is not None:
             for name, rows, ms in self.lease_agent.drain_segment_stats():

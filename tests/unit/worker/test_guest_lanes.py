@@ -1,8 +1,6 @@
 """Home-first time sharing between a worker's own engine and its guest lanes (services/worker/lanes.py)."""
 from types import SimpleNamespace
 
-import pytest
-
 from services.worker.lanes import GuestLanes, Lane
 
 
@@ -12,9 +10,6 @@ class _Eng:
 
     def has_work(self) -> bool:
         return self.work
-
-    def prefill_backlog(self):
-        return (self.prefill, []) if getattr(self, "prefill", 0) else (0, [])
 
 
 def _lanes(share: float) -> tuple[GuestLanes, _Eng, _Eng]:
@@ -72,21 +67,3 @@ def test_an_ended_lease_keeps_its_share_until_its_sequences_finish(monkeypatch):
     guest.work = False  # done: the ended lease is forgotten
     gl.next_engine(home)
     assert lane.share() == 0.0 and not lane.draining
-
-
-def test_lanes_wait_while_the_home_prefills_and_yield_only_its_tpot_slack(monkeypatch):
-    gl, home, guest = _lanes(share=0.6)
-    home.prefill = 256  # the home has a prompt to prefill: its TTFT first, no lane iteration
-    assert all(gl.next_engine(home) is home for _ in range(5)) and gl.current_yield == 0.0
-    home.prefill = 0
-    gl.home_tpot_s = 0.05  # home iterations of 30 ms against 0.8 x 50 ms: it can spare 25 % of the device
-    gl.record(False, 0.0, 0.03)
-    assert gl.yield_share(home) == pytest.approx(0.25)
-    gl.home_tpot_s = 0.016  # _run's home iterations of 10 ms against 0.8 x 16 ms: 22 % to spare
-    clock = iter(1000.0 + 0.01 * i for i in range(1000))
-    monkeypatch.setattr("services.worker.lanes.time.time", lambda: next(clock))
-    seq = _run(gl, home, 100)
-    assert gl.current_yield == pytest.approx(1 - 0.01 / 0.0128)
-    assert 0.12 <= sum(seq) / len(seq) <= 0.28  # not the lease's 0.6
-    gl.record(False, 0.0, 0.045)  # no slack left: the lane only trickles
-    assert gl.yield_share(home) == 0.0

@@ -3,8 +3,8 @@ placed on this device with their KV here and run whole iterations here, in a gue
 full model (staged from its checkpoint or seed). Home work has priority: while the home tenant has work, lanes
 get at most the leases' ``share`` of the device's time, decided at iteration boundaries. A revoked or expired lease
 stops new placements; sequences already here finish under its share (their KV and results stay valid), as the
-simulator's draining leases do. Staged engines stay cached for
-reuse until the device's own tenant needs the memory."""
+simulator's draining leases do. Staged engines stay cached for reuse until the device's own tenant needs the
+memory."""
 from __future__ import annotations
 
 import time

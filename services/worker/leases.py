@@ -316,8 +316,8 @@ class LeaseAgent:
         if self.guest is None or not self.weights.entries():
             return []
         # the scheduler evicts unpinned cached weights in the GMG when a lease needs the room: free ours too
-        staged = await self.gmg.redis.hgetall(self.gmg.keys.resident(self.device.id))
-        resident = {(f.decode() if isinstance(f, bytes) else f) for f in staged}
+        fields = await self.gmg.redis.hkeys(self.gmg.keys.resident(self.device.id))
+        resident = {(f.decode() if isinstance(f, bytes) else f) for f in fields}
         pinned = self.guest.pinned()
         for tenant, seg, nbytes in self.weights.evictable(pinned):
             if f"{tenant}|{seg}" not in resident:

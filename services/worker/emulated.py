@@ -141,6 +141,9 @@ def main() -> int:
     scale = float(os.environ.get("SLICESCHED_EMULATED_TIME_SCALE", "1.0"))
 
     async def run_all() -> None:
+        from services.worker.emulated_leases import EmulatedPeers
+
+        peers = EmulatedPeers()  # drivers charge guests of this process the guest time they use
         services = []
         for i, (dev, tenant) in enumerate(plan):
             cfg = tenant.model.config
@@ -156,7 +159,8 @@ def main() -> int:
             lanes = GuestLanes({t.name: t for t in tenants.tenants if t.name != tenant.name}, lane_engine,
                                lambda t, _d=dev, _w=cfg.weight_bytes(): lane_kv_blocks(_d, cluster.headroom_fraction,
                                                                                        _w, t))
-            services.append(WorkerService(settings, cluster, dev, tenant, eng, tenants=tenants, lanes=lanes))
+            services.append(WorkerService(settings, cluster, dev, tenant, eng, tenants=tenants, lanes=lanes,
+                                          lease_options=peers))
         await asyncio.gather(*(s.run() for s in services))
 
     asyncio.run(run_all())

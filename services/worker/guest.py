@@ -112,10 +112,15 @@ class GuestHost:
     # ---------------------------------------------------------------- lease lifecycle
     def grant(self, lease_id: str, tenant: str, home_device: str, segments: list[str], end_ts: float,
               share: float) -> GuestLease:
-        """Start serving a lease: stage its missing segments in the background (idempotent on ``lease_id``)."""
+        """Start serving a lease: stage its missing segments in the background (idempotent on ``lease_id``; a
+        re-sent grant of a lease still served moves its end and share: the scheduler extended it)."""
         with self._lock:
-            if lease_id in self.leases:
-                return self.leases[lease_id]
+            known = self.leases.get(lease_id)
+            if known is not None:
+                if known.state in ("staging", "ready"):
+                    known.end_ts, known.share = max(known.end_ts, end_ts), share
+                    self.lock.set_share(lease_id, share)
+                return known
             lease = GuestLease(lease_id, tenant, home_device, tuple(segments), end_ts, share)
             self.leases[lease_id] = lease
         cfg = self.configs.get(tenant)

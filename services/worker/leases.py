@@ -163,7 +163,15 @@ class LeaseAgent:
                 self.guest.grant(msg.lease_id, msg.tenant, msg.home_device, list(msg.segments), msg.end_ts, msg.share)
                 log.info("guest_lease_granted", lease_id=msg.lease_id, tenant=msg.tenant, home=msg.home_device,
                          segments=len(msg.segments), share=msg.share)
-            if msg.home_device == me and msg.tenant == self.tenant.name and msg.lease_id not in self.links:
+            link = self.links.get(msg.lease_id)
+            if link is not None and link.state != "ended" and msg.home_device == me:
+                link.lease = msg  # the same lease re-sent: the scheduler extended its window
+                self.home_weights.allow(msg)  # type: ignore[union-attr]
+                ev = self._wake.get(msg.lease_id)
+                if ev is not None:
+                    ev.set()  # the link's keeper re-reads the window
+                log.info("driver_lease_extended", lease_id=msg.lease_id, end_ts=msg.end_ts)
+            elif msg.home_device == me and msg.tenant == self.tenant.name and link is None:
                 self.home_weights.allow(msg)  # type: ignore[union-attr]
                 link = DriverLink(msg, on_broken=self._on_broken)
                 self.links[msg.lease_id] = link
@@ -203,7 +211,8 @@ class LeaseAgent:
         """Keep a driver link connected to its guest until the lease ends; reconnect after a failure."""
         lz, backoff = link.lease, 0.05
         ev = self._wake[lz.lease_id]
-        while link.state != "ended" and time.time() < lz.end_ts:
+        while link.state != "ended" and time.time() < link.lease.end_ts:
+            lz = link.lease  # a re-sent grant replaces it with a later end
             if link.state == "ready":
                 ev.clear()
                 try:
@@ -217,7 +226,7 @@ class LeaseAgent:
                 if not addr:
                     raise ConnectionError(f"no segment_addr for {lz.guest_device}")
                 client = await asyncio.to_thread(SegmentClient, addr)
-                while link.state != "ended" and time.time() < lz.end_ts:
+                while link.state != "ended" and time.time() < link.lease.end_ts:
                     rep, _ = await asyncio.to_thread(client.request, LeaseStatusQuery(lease_id=lz.lease_id), 2.0)
                     state = getattr(rep, "state", "unknown")
                     if state == "ready":

@@ -116,7 +116,7 @@ class WorkerService:
         if self.device.backend == "emulated":
             from services.worker.emulated_leases import EmulatedLeaseAgent
             return EmulatedLeaseAgent(cluster=self.cluster, device=self.device, tenant=self.tenant, tenants=tenants,
-                                      engine=self.engine)
+                                      engine=self.engine, peers=options)  # the process's EmulatedPeers, if any
         from services.worker.leases import LeaseAgent
         return LeaseAgent(prefix=self.p, redis=self.redis, gmg=self.gmg, cluster=self.cluster, device=self.device,
                           tenant=self.tenant, tenants=tenants, engine=self.engine, options=options,

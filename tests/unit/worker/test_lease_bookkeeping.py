@@ -93,3 +93,101 @@ def test_emulated_driver_iterations_get_shorter_and_guest_iterations_longer_unde
     assert gst.iteration_time(gplan, gbase) == gbase
     deng.step()  # the hook is wired into the engine's step
     assert deng.time_hook == drv.iteration_time
+
+
+def test_a_same_process_driver_charges_its_guest_what_it_used_not_the_whole_share():
+    from services.worker.emulated_leases import MAX_OWED_S, EmulatedPeers
+
+    now = [1000.0]
+    peers = EmulatedPeers()
+    drv, deng = _agent("h0", lambda: now[0])
+    gst, geng = _agent("g0", lambda: now[0])
+    for a in (drv, gst):
+        a.peers = peers
+        peers.add(a)
+    for i in range(32):
+        deng.add(f"r{i}", [5] * 64, SamplingParams(max_tokens=50, ignore_eos=True))
+    plan = deng._plan()
+    base = deng.predicted_s(plan)
+    asyncio.run(drv.on_message(_lease(now[0], 1.0)))  # as in the test above: where offloading pays
+    asyncio.run(gst.on_message(_lease(now[0], 0.5)))
+    # the guest's own tenant is idle: what the driver ran there cost it nothing
+    assert drv.iteration_time(plan, base) < base
+    assert gst.charged_s > 0 and gst.owed_s == 0.0
+    geng.add("g", [5] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    gplan = geng._plan()
+    gbase = geng.predicted_s(gplan)
+    assert gst.iteration_time(gplan, gbase) == gbase  # nothing owed, and no worst-case stretch
+    # now the guest's tenant has work: the next offloaded iteration is owed and paid from its own iterations,
+    # at most share / (1 - share) of each (here 1×), the rest carried
+    before = gst.charged_s
+    drv.iteration_time(plan, base)
+    used = gst.charged_s - before
+    assert used > 0 and gst.owed_s == pytest.approx(min(MAX_OWED_S, used))
+    owed = gst.owed_s
+    t = gst.iteration_time(gplan, gbase)
+    assert t == pytest.approx(gbase + min(owed, gbase))
+    assert gst.owed_s == pytest.approx(owed - (t - gbase))
+    asyncio.run(gst.close())
+    assert peers.get("g0") is None and peers.get("h0") is drv
+
+
+def test_a_guest_whose_driver_runs_elsewhere_is_stretched_by_the_whole_share():
+    from services.worker.emulated_leases import EmulatedPeers
+
+    now = [1000.0]
+    peers = EmulatedPeers()
+    gst, geng = _agent("g0", lambda: now[0])
+    gst.peers = peers
+    peers.add(gst)  # the driver h0 is not in this process
+    asyncio.run(gst.on_message(_lease(now[0], 0.5)))
+    geng.add("g", [5] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    gplan = geng._plan()
+    gbase = geng.predicted_s(gplan)
+    assert gst.iteration_time(gplan, gbase) == pytest.approx(gbase / 0.5)
+
+
+def test_a_re_sent_grant_extends_an_emulated_lease():
+    now = [1000.0]
+    drv, deng = _agent("h0", lambda: now[0])
+    for i in range(32):
+        deng.add(f"r{i}", [5] * 64, SamplingParams(max_tokens=50, ignore_eos=True))
+    plan = deng._plan()
+    base = deng.predicted_s(plan)
+    first = _lease(now[0], 1.0)  # a 10 s window
+    asyncio.run(drv.on_message(first))
+    now[0] += 15  # past the first window: the lease no longer counts...
+    assert drv.iteration_time(plan, base) == base
+    asyncio.run(drv.on_message(_extended(first, now[0] + 10)))
+    assert drv.iteration_time(plan, base) < base  # ...until the scheduler extends it
+    asyncio.run(drv.on_message(LeaseRevoked(msg_id="r", lease_id="L", tenant="a", home_device="h0",
+                                            guest_device="g0")))
+    asyncio.run(drv.on_message(_extended(first, now[0] + 20)))  # a revoked lease is not revived
+    assert drv.iteration_time(plan, base) == base
+
+
+def _extended(msg: LeaseGranted, end_ts: float) -> LeaseGranted:
+    import msgspec
+    return msgspec.structs.replace(msg, end_ts=end_ts)
+
+
+def test_an_idle_same_process_guest_gives_the_driver_all_its_time():
+    from services.worker.emulated_leases import EmulatedPeers
+
+    now = [1000.0]
+    peers = EmulatedPeers()
+    drv, deng = _agent("h0", lambda: now[0])
+    gst, geng = _agent("g0", lambda: now[0])
+    for a in (drv, gst):
+        a.peers = peers
+        peers.add(a)
+    for i in range(32):
+        deng.add(f"r{i}", [5] * 64, SamplingParams(max_tokens=50, ignore_eos=True))
+    plan = deng._plan()
+    base = deng.predicted_s(plan)
+    for a in (drv, gst):
+        asyncio.run(a.on_message(_lease(now[0], 0.3)))
+    idle = drv.iteration_time(plan, base)  # the guest's tenant is idle: the lease gets the whole guest
+    geng.add("g", [5] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    busy = drv.iteration_time(plan, base)  # now only its share
+    assert idle < busy <= base

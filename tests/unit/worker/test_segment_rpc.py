@@ -244,3 +244,17 @@ async def test_async_server_speaks_the_same_protocol():
     link.client.close()
     guest.close()
     await server.close()
+
+
+def test_a_re_sent_grant_extends_the_lease_it_does_not_restart_it(site):
+    site.lease("L5", end_in=0.5)
+    site.wait_ready("L5")
+    later = time.time() + 30.0
+    again = site.guest.grant("L5", "a", "h0", SEGS, later, 0.5)  # the scheduler extended it
+    assert again is site.guest.leases["L5"] and again.state == "ready"  # not staged again
+    assert again.end_ts == later and again.share == 0.5
+    time.sleep(0.6)
+    site.guest.expire()
+    assert site.guest.leases["L5"].state == "ready"  # the first window has passed; the extended one has not
+    site.guest.revoke("L5", "revoked")
+    assert site.guest.grant("L5", "a", "h0", SEGS, later + 10, 1.0).end_ts == later  # an ended lease stays ended

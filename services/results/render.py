@@ -159,9 +159,10 @@ def _timeline_lines(tl: Mapping[str, Any] | None, png: Path, md: Path, label: st
              "search's points within 9% violations, the one that hosted the most leases. Own work and "
              "guest-lane iterations are the workers' measured busy intervals; guest segments are measured per 0.5 s "
              "report window and drawn at the window's start; lease windows come from the lease messages."
-             + (" On emulated devices `segments` leases run no separate guest iterations (the lease's share "
-                "stretches the guest's own iterations instead), so only their lease windows show; `sequences` "
-                "leases run emulated guest-lane iterations, drawn as guest work."
+             + (" On emulated devices `segments` leases run no separate guest iterations (the guest time a "
+                "driver used delays the guest's own iterations instead, which the own-work intervals include), so "
+                "only their lease windows show; `sequences` leases run emulated guest-lane iterations, drawn as "
+                "guest work."
                 if label == "emulated mesh" else ""), "",
              "| device (home tenant) | own work (s) | guest work (s) | lease windows hosted (s) | leases hosted |",
              "|---|---:|---:|---:|---:|"]

@@ -9,6 +9,7 @@ closed form.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from shared.costmodel.profiles import DeviceProfile
@@ -47,8 +48,9 @@ class ModelCost:
     ``correction`` maps a segment kind (embed, attn, mlp, head) to a multiplicative factor (from measured
     execution; see :class:`shared.costmodel.correction.CorrectionTable`), and optionally ``kind@bucket`` (e.g.
     ``mlp@4``) to a factor for iterations whose batch has that many tokens (rounded up to a power of two, as the
-    workers bucket their measurements); a bucket without its own factor uses the kind's. Results are cached per
-    batch size.
+    workers bucket their measurements); a bucket without its own factor interpolates (geometrically, in log2 of
+    the bucket) between the nearest buckets of the kind that have one, takes the nearest beyond the ends, and uses
+    the kind's factor only when no bucket of the kind has one. Results are cached per batch size.
     """
 
     def __init__(self, config: ModelConfig, profile: DeviceProfile,
@@ -78,9 +80,19 @@ class ModelCost:
     def factor(self, kind: str, batch_tokens: int) -> float:
         """Correction factor of segment ``kind`` in an iteration of ``batch_tokens`` tokens."""
         if self.bucket_corr:
-            f = self.bucket_corr.get((kind, tokens_bucket(batch_tokens)))
+            b = tokens_bucket(batch_tokens)
+            f = self.bucket_corr.get((kind, b))
             if f is not None:
                 return f
+            known = sorted(k for (kk, k) in self.bucket_corr if kk == kind)
+            lo = [k for k in known if k < b]
+            hi = [k for k in known if k > b]
+            if lo and hi:
+                a, c = lo[-1], hi[0]
+                w = (math.log2(b) - math.log2(a)) / (math.log2(c) - math.log2(a))
+                return self.bucket_corr[(kind, a)] ** (1 - w) * self.bucket_corr[(kind, c)] ** w
+            if lo or hi:
+                return self.bucket_corr[(kind, (lo[-1] if lo else hi[0]))]
         return self.corr[kind]
 
     def _sum(self, tag: str, ops: list[OperatorSpec], tokens: int, batch_tokens: int | None = None) -> float:

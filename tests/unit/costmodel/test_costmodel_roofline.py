@@ -82,3 +82,13 @@ def test_correction_table_clamps_outliers():
     assert t.factor("g0", "attn") == 3.0
     t.observe("g0", "attn", 0.0, 1.0)  # ignored
     assert t.factor("g0", "attn") == 3.0
+
+
+def test_a_bucket_without_its_own_factor_takes_its_neighbours():
+    from shared.costmodel import ModelCost, load_profile
+    from shared.model.config import PRESETS
+    mc = ModelCost(PRESETS["tiny-2l"], load_profile("cpu"), {"mlp": 3.0, "mlp@2": 1.0, "mlp@8": 4.0, "attn@16": 2.0})
+    assert mc.factor("mlp", 2) == 1.0 and mc.factor("mlp", 8) == 4.0  # their own
+    assert mc.factor("mlp", 4) == pytest.approx(2.0)  # halfway (log2) between 2 and 8: geometric mean of 1 and 4
+    assert mc.factor("mlp", 1) == 1.0 and mc.factor("mlp", 64) == 4.0  # beyond the ends: the nearest
+    assert mc.factor("attn", 3) == 2.0 and mc.factor("head", 4) == 1.0  # one bucket known; none known: the kind's

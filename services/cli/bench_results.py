@@ -59,7 +59,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default=",".join(PARTS), help="parts to run: sim,emulated,real")
     p.add_argument("--out", default="docs/results", help="raw JSON and PNGs go here")
     p.add_argument("--md", default=None, help="results page (default: <out>.md)")
-    p.add_argument("--readme", default="README.md", help="README to update between the result markers ('' = none)")
+    p.add_argument("--readme", default=None,
+                   help="README to update between the result markers ('' = none; default: README.md when --out is "
+                        "the default docs/results, none otherwise, so a run kept elsewhere leaves the README alone)")
     p.add_argument("--jobs", type=int, default=2, help="simulator points run in parallel")
     p.add_argument("--sim-duration-s", type=float, default=None, help="replay only the first D s in the sim part")
     p.add_argument("--mesh-duration-s", type=float, default=None, help="replay only the first D s on the meshes")
@@ -75,7 +77,7 @@ def results_command(args: argparse.Namespace) -> str:
     """The ``slicesched bench results`` command line that reproduces this run (non-default options only)."""
     argv = ["slicesched", "bench", "results"] + (["--quick"] if args.quick else [])
     for flag, value, default in (("--only", args.only, ",".join(PARTS)), ("--out", args.out, "docs/results"),
-                                 ("--md", args.md, None), ("--readme", args.readme, "README.md"),
+                                 ("--md", args.md, None), ("--readme", args.readme, None),
                                  ("--jobs", args.jobs, 2), ("--sim-duration-s", args.sim_duration_s, None),
                                  ("--mesh-duration-s", args.mesh_duration_s, None),
                                  ("--tolerance", args.tolerance, None), ("--start-scale", args.start_scale, None),
@@ -227,7 +229,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     md = Path(args.md) if args.md else out.with_suffix(".md")
-    readme = Path(args.readme) if args.readme else None
+    if args.readme is None:
+        args_readme = "README.md" if Path(args.out) == Path("docs/results") else ""
+    else:
+        args_readme = args.readme
+    readme = Path(args_readme) if args_readme else None
     cmd = results_command(args)
     failed = []
     if not args.render_only:

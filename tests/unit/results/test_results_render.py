@@ -131,3 +131,12 @@ def test_a_ratio_without_any_lease_is_flagged():
     assert lease_caveat({"leases_per_point": [[1.0, 0, 0.0], [2.0, 0, 0.05], [4.0, 3, 0.4]]}) is not None
     assert lease_caveat({"leases_per_point": [[1.0, 0, 0.0], [2.0, 1, 0.05]]}) is None
     assert lease_caveat({"leases_per_point": [[4.0, 3, 0.4]]}) is None and lease_caveat(None) is None
+
+
+def test_a_run_kept_outside_docs_results_leaves_the_readme_alone(out, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("# Project\n\n" + BEGIN + "\nold block\n" + END + "\n")
+    rc = main(["bench", "results", "--render-only", "--out", str(out)])  # no --readme, --out not docs/results
+    assert rc == 0 and readme.read_text() == "# Project\n\n" + BEGIN + "\nold block\n" + END + "\n"
+    assert (out.parent / (out.name + ".md")).is_file()

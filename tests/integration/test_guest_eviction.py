@@ -1,5 +1,6 @@
 """Staged guest weights stay cached after a lease and are evicted LRU (in the GMG too) when the device's own
-tenant needs the memory; weights pinned by an active lease are kept. Real redis-server, in-process agent."""
+tenant needs the memory; weights pinned by an active lease are kept; a re-sent grant extends the driver's link.
+Real redis-server, in-process agent."""
 from __future__ import annotations
 
 import time
@@ -63,5 +64,35 @@ async def test_lru_eviction_when_the_home_tenant_needs_memory(redis, prefix):
                                             guest_device="g0"))
         assert await agent.evict_if_needed() == [("a", "mlp[0]")]
         assert agent.weights.nbytes == 0 and agent.health_fields()["staged_segments"] == 0
+    finally:
+        await agent.close()
+
+
+async def test_a_re_sent_grant_extends_the_drivers_link(redis, prefix):
+    import asyncio
+
+    store = GMGStore(redis, prefix)
+    await store.register_cluster(CLUSTER, TENANTS)
+    model, tok = build_model(TENANTS.get("a").model)
+    agent = LeaseAgent(prefix=prefix, redis=redis, gmg=store, cluster=CLUSTER, device=CLUSTER.device("h0"),
+                       tenant=TENANTS.get("a"), tenants=TENANTS, engine=Engine(model, tok, kv_blocks=16),
+                       options=LeaseOptions())
+    await agent.start()
+    try:
+        now = time.time()
+        grant = LeaseGranted(msg_id="m", lease_id="L", tenant="a", home_device="h0", guest_device="g0",
+                             segments=["mlp[0]"], start_ts=now, end_ts=now + 0.5)
+        await agent.on_message(grant)
+        link = agent.links["L"]
+        await agent.on_message(LeaseGranted(msg_id="m2", lease_id="L", tenant="a", home_device="h0",
+                                            guest_device="g0", segments=["mlp[0]"], start_ts=now, end_ts=now + 60))
+        assert agent.links["L"] is link and link.lease.end_ts == now + 60  # the same link, a later end
+        await asyncio.sleep(1.0)  # past the first window: the link is still kept (retrying: g0 has no server)
+        assert link.state != "ended"
+        await agent.on_message(LeaseRevoked(msg_id="r", lease_id="L", tenant="a", home_device="h0",
+                                            guest_device="g0"))
+        assert link.state == "ended"
+        await agent.on_message(grant)  # an ended lease is not revived by a late re-send
+        assert agent.links["L"] is link and link.state == "ended"
     finally:
         await agent.close()

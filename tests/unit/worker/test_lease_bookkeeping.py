@@ -95,10 +95,11 @@ def test_emulated_driver_iterations_get_shorter_and_guest_iterations_longer_unde
     assert deng.time_hook == drv.iteration_time
 
 
-def test_a_same_process_driver_charges_its_guest_what_it_used_not_the_whole_share():
-    from services.worker.emulated_leases import MAX_OWED_S, EmulatedPeers
+def _same_process_pair(now: list[float]):
+    """An emulated driver h0 (with a prefill-heavy batch) and guest g0 in one process: (peers, driver, its engine,
+    guest, its engine, the driver's plan, its predicted time)."""
+    from services.worker.emulated_leases import EmulatedPeers
 
-    now = [1000.0]
     peers = EmulatedPeers()
     drv, deng = _agent("h0", lambda: now[0])
     gst, geng = _agent("g0", lambda: now[0])
@@ -108,7 +109,14 @@ def test_a_same_process_driver_charges_its_guest_what_it_used_not_the_whole_shar
     for i in range(32):
         deng.add(f"r{i}", [5] * 64, SamplingParams(max_tokens=50, ignore_eos=True))
     plan = deng._plan()
-    base = deng.predicted_s(plan)
+    return peers, drv, deng, gst, geng, plan, deng.predicted_s(plan)
+
+
+def test_a_same_process_driver_charges_its_guest_what_it_used_not_the_whole_share():
+    from services.worker.emulated_leases import MAX_OWED_S
+
+    now = [1000.0]
+    peers, drv, deng, gst, geng, plan, base = _same_process_pair(now)
     asyncio.run(drv.on_message(_lease(now[0], 1.0)))  # as in the test above: where offloading pays
     asyncio.run(gst.on_message(_lease(now[0], 0.5)))
     # the guest's own tenant is idle: what the driver ran there cost it nothing
@@ -172,19 +180,8 @@ def _extended(msg: LeaseGranted, end_ts: float) -> LeaseGranted:
 
 
 def test_an_idle_same_process_guest_gives_the_driver_all_its_time():
-    from services.worker.emulated_leases import EmulatedPeers
-
     now = [1000.0]
-    peers = EmulatedPeers()
-    drv, deng = _agent("h0", lambda: now[0])
-    gst, geng = _agent("g0", lambda: now[0])
-    for a in (drv, gst):
-        a.peers = peers
-        peers.add(a)
-    for i in range(32):
-        deng.add(f"r{i}", [5] * 64, SamplingParams(max_tokens=50, ignore_eos=True))
-    plan = deng._plan()
-    base = deng.predicted_s(plan)
+    peers, drv, deng, gst, geng, plan, base = _same_process_pair(now)
     for a in (drv, gst):
         asyncio.run(a.on_message(_lease(now[0], 0.3)))
     idle = drv.iteration_time(plan, base)  # the guest's tenant is idle: the lease gets the whole guest

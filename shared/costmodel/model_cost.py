@@ -74,25 +74,33 @@ class ModelCost:
         self.mlp_weight_bytes = g.segment("mlp[0]").weight_bytes  # one layer
         self.attn_weight_bytes = g.segment("attn[0]").weight_bytes
         self._cache: dict[tuple[str, int], float] = {}
+        self._factors: dict[tuple[str, int], float] = {}  # (kind, bucket) -> correction factor
         self._lines: dict[int, tuple[float, float, float]] = {}
 
     # ---------------------------------------------------------------- per segment (one layer)
     def factor(self, kind: str, batch_tokens: int) -> float:
         """Correction factor of segment ``kind`` in an iteration of ``batch_tokens`` tokens."""
-        if self.bucket_corr:
-            b = tokens_bucket(batch_tokens)
-            f = self.bucket_corr.get((kind, b))
-            if f is not None:
-                return f
-            known = sorted(k for (kk, k) in self.bucket_corr if kk == kind)
-            lo = [k for k in known if k < b]
-            hi = [k for k in known if k > b]
-            if lo and hi:
-                a, c = lo[-1], hi[0]
-                w = (math.log2(b) - math.log2(a)) / (math.log2(c) - math.log2(a))
-                return self.bucket_corr[(kind, a)] ** (1 - w) * self.bucket_corr[(kind, c)] ** w
-            if lo or hi:
-                return self.bucket_corr[(kind, (lo[-1] if lo else hi[0]))]
+        if not self.bucket_corr:
+            return self.corr[kind]
+        key = (kind, tokens_bucket(batch_tokens))
+        f = self._factors.get(key)
+        if f is None:
+            f = self._factors[key] = self._bucket_factor(*key)
+        return f
+
+    def _bucket_factor(self, kind: str, b: int) -> float:
+        f = self.bucket_corr.get((kind, b))
+        if f is not None:
+            return f
+        known = sorted(k for (kk, k) in self.bucket_corr if kk == kind)
+        lo = [k for k in known if k < b]
+        hi = [k for k in known if k > b]
+        if lo and hi:
+            a, c = lo[-1], hi[0]
+            w = (math.log2(b) - math.log2(a)) / (math.log2(c) - math.log2(a))
+            return self.bucket_corr[(kind, a)] ** (1 - w) * self.bucket_corr[(kind, c)] ** w
+        if lo or hi:
+            return self.bucket_corr[(kind, (lo[-1] if lo else hi[0]))]
         return self.corr[kind]
 
     def _sum(self, tag: str, ops: list[OperatorSpec], tokens: int, batch_tokens: int | None = None) -> float:

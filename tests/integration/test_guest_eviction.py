@@ -28,15 +28,21 @@ TENANTS = parse_tenants({"tenants": [
      "home_devices": ["g0"]}]}, cluster=CLUSTER)
 
 
-async def test_lru_eviction_when_the_home_tenant_needs_memory(redis, prefix):
+async def _started_agent(redis, prefix: str, device: str, tenant: str) -> tuple[GMGStore, LeaseAgent]:
+    """The GMG registered and a started lease agent of ``tenant`` on ``device`` (its model built, 16 KV blocks)."""
     store = GMGStore(redis, prefix)
     await store.register_cluster(CLUSTER, TENANTS)
-    home_model, _ = build_model(TENANTS.get("a").model)
-    model, tok = build_model(TENANTS.get("b").model)
-    agent = LeaseAgent(prefix=prefix, redis=redis, gmg=store, cluster=CLUSTER, device=CLUSTER.device("g0"),
-                       tenant=TENANTS.get("b"), tenants=TENANTS, engine=Engine(model, tok, kv_blocks=16),
+    model, tok = build_model(TENANTS.get(tenant).model)
+    agent = LeaseAgent(prefix=prefix, redis=redis, gmg=store, cluster=CLUSTER, device=CLUSTER.device(device),
+                       tenant=TENANTS.get(tenant), tenants=TENANTS, engine=Engine(model, tok, kv_blocks=16),
                        options=LeaseOptions())
     await agent.start()
+    return store, agent
+
+
+async def test_lru_eviction_when_the_home_tenant_needs_memory(redis, prefix):
+    home_model, _ = build_model(TENANTS.get("a").model)
+    store, agent = await _started_agent(redis, prefix, "g0", "b")
     try:
         segs = ["mlp[0]", "mlp[1]"]
         nbytes = {s: home_model.segment_weight_bytes(s) for s in segs}
@@ -71,13 +77,7 @@ async def test_lru_eviction_when_the_home_tenant_needs_memory(redis, prefix):
 async def test_a_re_sent_grant_extends_the_drivers_link(redis, prefix):
     import asyncio
 
-    store = GMGStore(redis, prefix)
-    await store.register_cluster(CLUSTER, TENANTS)
-    model, tok = build_model(TENANTS.get("a").model)
-    agent = LeaseAgent(prefix=prefix, redis=redis, gmg=store, cluster=CLUSTER, device=CLUSTER.device("h0"),
-                       tenant=TENANTS.get("a"), tenants=TENANTS, engine=Engine(model, tok, kv_blocks=16),
-                       options=LeaseOptions())
-    await agent.start()
+    _, agent = await _started_agent(redis, prefix, "h0", "a")
     try:
         now = time.time()
         grant = LeaseGranted(msg_id="m", lease_id="L", tenant="a", home_device="h0", guest_device="g0",

@@ -29,7 +29,8 @@ class SliceConfig(PolicyConfig):
     resize: bool = True  # containers sized from offered work, as for ``container``
     behind_fraction: float = 0.5  # seek a lease when predicted TTFT or TPOT exceeds this fraction of the target
     tenant_behind_fraction: float = 0.5  # ... on at least this fraction of the tenant's container
-    max_candidates: int = 8  # guest devices asked about per decision
+    max_candidates: int = 16  # guest devices asked about per decision ("sequences" candidates)
+    max_segment_candidates: int = 8  # of those, the first this many also get a "segments" candidate
     lease_s: float = 2.0
     sequence_lease_s: float = 1.0  # "sequences" leases (whole iterations on the guest), extended while useful
     sequences: bool = True  # also consider the second mode
@@ -246,9 +247,17 @@ class SlicePolicy(Policy):
         cands = [g for g in self._guests(d, snapshot, used_guests)
                  if g.home_tenant is None or not self._behind(g, snapshot, whatif)]
         hcost = whatif.cost(t, d.kind)
+        shares: dict[str, float] = {}  # per guest, for both modes
+
+        def share_of(g: DeviceState) -> float:
+            v = shares.get(g.id)
+            if v is None:
+                v = shares[g.id] = self._share_for(g, snapshot, whatif)
+            return v
+
         grants = []
-        for g in (cands if free_layers else []):
-            share = self._share_for(g, snapshot, whatif)
+        for g in (cands[: cfg.max_segment_candidates] if free_layers else []):
+            share = share_of(g)
             if share < cfg.min_share:
                 continue
             gcost = whatif.cost(t, g.kind)
@@ -262,12 +271,14 @@ class SlicePolicy(Policy):
         if cfg.sequences:
             n_seq = sum(1 for lease in mine if lease.mode == "sequences")
             # not on a device of the tenant's own container: routing already balances those, and a lane there
-            # would only stage a second copy of the weights beside the first
+            # would only stage a second copy of the weights beside the first. Every candidate guest is asked
+            # (the best are committed, up to the home's remaining lanes): a guest ranked low here (busy, on another
+            # host) may still have the most time to spare — a large decoding batch with TPOT slack
             others = [g for g in cands if g.home_tenant != tenant]
-            for g in others[: max(0, cfg.max_sequence_leases - n_seq)]:
+            for g in (others if n_seq < cfg.max_sequence_leases else []):
                 if any(x.tenant == tenant and x.mode == "sequences" for x in snapshot.leases_on(g.id)):
                     continue
-                share = self._share_for(g, snapshot, whatif)
+                share = share_of(g)
                 if share < cfg.min_share:
                     continue
                 gcost = whatif.cost(t, g.kind)
@@ -284,9 +295,14 @@ class SlicePolicy(Policy):
             return None
         ok.sort(key=lambda r: (-r.gain, r.candidate.memory_bytes))
         picked, guests = [], set()
+        lanes_left = cfg.max_sequence_leases - sum(1 for lease in mine if lease.mode == "sequences")
         for r in ok:
             if r.candidate.guest_device in guests or (picked and r.candidate.mode == "segments"):
                 continue
+            if r.candidate.mode == "sequences":
+                if lanes_left <= 0:
+                    continue
+                lanes_left -= 1
             c = r.candidate
             picked.append(GrantLease(c.tenant, c.home_device, c.guest_device, c.segments, c.duration_s, c.share,
                                      c.memory_bytes, predicted_gain_s=r.home_iter_s - r.leased_iter_s, mode=c.mode))

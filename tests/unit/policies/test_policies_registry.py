@@ -119,6 +119,46 @@ def test_slice_opens_no_sequences_lane_inside_its_own_container(small):
     assert all(lz.guest_dev.id not in pol.devices_of[lz.tenant] for lz in lanes)
 
 
+def test_slice_asks_every_candidate_guest_for_a_lane_but_commits_within_the_cap(small, monkeypatch):
+    """A home that already holds lanes still gets a `sequences` candidate on every candidate guest (not only on
+    the first few of the ranking), and never holds more than `max_sequence_leases` lanes at once."""
+    from shared.sim.whatif import WhatIf
+    c, t, _ = small
+    w = bursty_workload(t, [15.0, 1.0, 0.3, 0.3], 40.0, random.Random(4), burst_factor=10.0, mean_input=2000,
+                        mean_output=40)
+    cap = 2
+    asked = []  # (lanes the home held, sequences candidates asked about)
+    evaluate = WhatIf.evaluate
+
+    def spy(self, snapshot, candidates, horizon_s=1.0):
+        seq = [x for x in candidates if x.mode == "sequences"]
+        if seq:
+            home = seq[0].home_device
+            held = sum(1 for lz in snapshot.leases.values() if lz.home_device == home and lz.mode == "sequences"
+                       and lz.state != "draining")
+            asked.append((held, len(seq)))
+        return evaluate(self, snapshot, candidates, horizon_s)
+
+    monkeypatch.setattr(WhatIf, "evaluate", spy)
+    sim = Simulator(c, t, make_policy("slice", {"max_sequence_leases": cap, "segments": False}), SimConfig(),
+                    random.Random(0))
+    held_max = {}
+    grant = sim.leases.grant
+
+    def count(a):
+        lease = grant(a)
+        if lease is not None and a.mode == "sequences":
+            n = sum(1 for lz in sim.leases.leases.values() if lz.engine.device.id == a.home_device
+                    and lz.mode == "sequences" and lz.state != "draining")
+            held_max[a.home_device] = max(held_max.get(a.home_device, 0), n)
+        return lease
+
+    sim.leases.grant = count
+    sim.run(w)
+    assert any(held >= 1 and n > cap - held for held, n in asked)  # more guests asked than lanes left
+    assert held_max and max(held_max.values()) <= cap
+
+
 @pytest.mark.parametrize("behind,fraction,expected", [
     ({"a"}, 0.5, False),  # one loaded device of four: routing balances it, no lease
     ({"a", "b"}, 0.5, True),  # half the container behind: lease

@@ -60,7 +60,7 @@ class WhatIf:
 
     def __init__(self, links: dict[str, dict[str, object]] | None = None, params: WhatIfParams | None = None) -> None:
         self.params = params or WhatIfParams()
-        self._costs: dict[tuple[int, str], ModelCost] = {}
+        self._costs: dict[tuple[str, str], ModelCost] = {}  # (tenant, device kind) -> its cost model
         self._memo: dict | None = None  # per-evaluate cache of the devices' own iterations (one snapshot)
 
     @classmethod
@@ -73,23 +73,25 @@ class WhatIf:
         return cls(params=p)
 
     def cost(self, tenant: TenantState, kind: str) -> ModelCost:
-        key = (id(tenant.model), kind)
-        c = self._costs.get(key)
-        if c is None or c.config is not tenant.model:
-            c = self._costs[key] = cost_for(tenant.model, kind)
+        c = self._costs.get((tenant.name, kind))
+        if c is None or c.config is not tenant.model:  # first use, or the tenant's model was replaced
+            c = self._costs[(tenant.name, kind)] = cost_for(tenant.model, kind)
         return c
+
+    def _cached(self, key: tuple, compute):
+        """``compute()``, remembered for the rest of the current :meth:`evaluate` call (one snapshot)."""
+        memo = self._memo
+        if memo is None:
+            return compute()
+        v = memo.get(key)
+        if v is None:
+            v = memo[key] = compute()
+        return v
 
     # ---------------------------------------------------------------- one device's own work
     def device_iteration(self, cost: ModelCost, d: DeviceState) -> tuple[float, int, int, int]:
         """(iteration time, decode rows, prefill rows, sampled rows) of the device's next iteration, alone."""
-        memo = self._memo
-        if memo is None:
-            return self._device_iteration(cost, d)
-        key = ("it", id(cost), d.id)
-        v = memo.get(key)
-        if v is None:
-            v = memo[key] = self._device_iteration(cost, d)
-        return v
+        return self._cached(("it", id(cost), d.id), lambda: self._device_iteration(cost, d))
 
     def _device_iteration(self, cost: ModelCost, d: DeviceState) -> tuple[float, int, int, int]:
         b = max(0, d.running - (1 if d.queued_prefill_tokens else 0))
@@ -209,12 +211,8 @@ class WhatIf:
         chunk = prm.max_batched_tokens
         own_active = guest.busy or guest.outstanding > 0
         g_eff = cand.share if own_active else max(cand.share, 1.0 - guest.guest_share)
-        key = ("chunk", id(gcost))
-        t_chunk = self._memo.get(key) if self._memo is not None else None
-        if t_chunk is None:
-            t_chunk = gcost.iteration_time(0, 0, chunk, chunk * (chunk + 1) // 2, chunk, 1)
-            if self._memo is not None:
-                self._memo[key] = t_chunk
+        t_chunk = self._cached(("chunk", id(gcost)),
+                               lambda: gcost.iteration_time(0, 0, chunk, chunk * (chunk + 1) // 2, chunk, 1))
         r_g = g_eff * chunk / t_chunk
         r_h = (p / base_s) if p and base_s > 0 else chunk / max(t_chunk, 1e-9)
         frac = r_g / (r_h + r_g)

@@ -268,8 +268,8 @@ class SlicePolicy(Policy):
             segs = tuple((resident + rest)[:n_layers])
             mem = len([s for s in segs if (tenant, s) not in g.resident]) * gcost.mlp_weight_bytes
             grants.append(GrantLease(tenant, d.id, g.id, segs, cfg.lease_s, share, mem))
+        n_seq = sum(1 for lease in mine if lease.mode == "sequences")  # lanes the home holds
         if cfg.sequences:
-            n_seq = sum(1 for lease in mine if lease.mode == "sequences")
             # not on a device of the tenant's own container: routing already balances those, and a lane there
             # would only stage a second copy of the weights beside the first. Every candidate guest is asked
             # (the best are committed, up to the home's remaining lanes): a guest ranked low here (busy, on another
@@ -295,7 +295,7 @@ class SlicePolicy(Policy):
             return None
         ok.sort(key=lambda r: (-r.gain, r.candidate.memory_bytes))
         picked, guests = [], set()
-        lanes_left = cfg.max_sequence_leases - sum(1 for lease in mine if lease.mode == "sequences")
+        lanes_left = cfg.max_sequence_leases - n_seq
         for r in ok:
             if r.candidate.guest_device in guests or (picked and r.candidate.mode == "segments"):
                 continue

@@ -16,6 +16,7 @@ Conventions (shared with the cost model and the simulator):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
@@ -37,6 +38,7 @@ def segment_names(num_layers: int) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=8192)
 def parse_segment(name: str) -> tuple[str, int | None]:
     """Split a segment name into (kind, layer); ``ValueError`` for a malformed name."""
     if name in ("embed", "head"):

@@ -115,6 +115,10 @@ class SlicePolicy(Policy):
     def decide(self, trigger: Trigger, snapshot: ClusterSnapshot, whatif: Any = None) -> list[Action]:
         if whatif is None:
             return []
+        with whatif.same_snapshot():  # one snapshot for the whole decision: per-device terms computed once
+            return self._decide(trigger, snapshot, whatif)
+
+    def _decide(self, trigger: Trigger, snapshot: ClusterSnapshot, whatif: Any) -> list[Action]:
         out: list[Action] = []
         if trigger.kind == "arrival" and trigger.device:
             d = snapshot.devices[trigger.device]
@@ -321,10 +325,11 @@ class SlicePolicy(Policy):
         it, b, p, sampled = whatif.device_iteration(hcost, d)
         link = load_profile(d.kind).link(snapshot.link_kind(d.id, g.id))
         best, best_t = free, None
+        mb = whatif.micro_batch_parts(hcost, d)
         for n in sorted({max(1, free // 2), max(1, 3 * free // 4), free}):
             t = offloaded_iteration_time(hcost, [OffloadPart(g.id, n, eff, link, gcost)], [eff], b,
                                          d.decode_kv_tokens, p, p * (p + 1) // 2, p, sampled,
-                                         whatif.params.micro_batches).total_s
+                                         whatif.params.micro_batches, mb).total_s
             if best_t is None or t < best_t:
                 best, best_t = n, t
         return best

@@ -54,12 +54,15 @@ def _mb_parts(cost: ModelCost, n_decode: int, decode_kv: int, prefill_tokens: in
 
 def offloaded_iteration_time(cost: ModelCost, parts: list[OffloadPart], shares: list[float], n_decode: int,
                              decode_kv: int, prefill_tokens: int = 0, prefill_pairs: int = 0, prefill_reads: int = 0,
-                             sampled: int | None = None, micro_batches: int = 2) -> OffloadTiming:
+                             sampled: int | None = None, micro_batches: int = 2,
+                             mb: tuple[int, float, float, float] | None = None) -> OffloadTiming:
     """Predicted time of one iteration with ``parts`` offloaded; ``shares[i]`` is the fraction of guest i's time
-    available to us during this iteration (1.0 when its own tenant is idle)."""
+    available to us during this iteration (1.0 when its own tenant is idle). ``mb`` is :func:`micro_batch_parts`
+    of the same arguments when the caller already has it (it depends on the home's batch only)."""
     m = max(1, micro_batches)
     s_rows = n_decode if sampled is None else sampled
-    tm, a, mh, eh = _mb_parts(cost, n_decode, decode_kv, prefill_tokens, prefill_pairs, prefill_reads, s_rows, m)
+    tm, a, mh, eh = mb if mb is not None else \
+        _mb_parts(cost, n_decode, decode_kv, prefill_tokens, prefill_pairs, prefill_reads, s_rows, m)
     layers = cost.layers
     s_total = sum(p.layers for p in parts)
     home_mb = eh + layers * a + (layers - s_total) * mh
@@ -80,6 +83,14 @@ def offloaded_iteration_time(cost: ModelCost, parts: list[OffloadPart], shares: 
         total += p.layers * max(m * a, a + g + 2 * x, m * g)
     total = max([total] + link_busy)
     return OffloadTiming(total, m * (eh + layers * a + (layers - s_total) * mh), guest_busy, link_busy, link_bytes)
+
+
+def micro_batch_parts(cost: ModelCost, n_decode: int, decode_kv: int, prefill_tokens: int = 0,
+                      prefill_pairs: int = 0, prefill_reads: int = 0, sampled: int | None = None,
+                      micro_batches: int = 2) -> tuple[int, float, float, float]:
+    """The home-side terms :func:`offloaded_iteration_time` needs, for passing to several calls with one batch."""
+    return _mb_parts(cost, n_decode, decode_kv, prefill_tokens, prefill_pairs, prefill_reads,
+                     n_decode if sampled is None else sampled, max(1, micro_batches))
 
 
 def explicit_schedule(cost: ModelCost, parts: list[OffloadPart], n_decode: int, decode_kv: int,

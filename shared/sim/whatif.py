@@ -10,6 +10,8 @@ per candidate; used inside the ``slice`` policy offline and by the simulator ser
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass, field
 
@@ -19,7 +21,7 @@ from shared.costmodel.model_cost import ModelCost
 from shared.model.graph import parse_segment
 from shared.policies.actions import GrantLease
 from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
-from shared.sim.offload import OffloadPart, offloaded_iteration_time
+from shared.sim.offload import OffloadPart, micro_batch_parts, offloaded_iteration_time
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,15 @@ class WhatIf:
         """(iteration time, decode rows, prefill rows, sampled rows) of the device's next iteration, alone."""
         return self._cached(("it", id(cost), d.id), lambda: self._device_iteration(cost, d))
 
+    def micro_batch_parts(self, cost: ModelCost, d: DeviceState) -> tuple[int, float, float, float]:
+        """The home-side terms of an offloaded iteration of the device's next batch (see
+        :func:`shared.sim.offload.micro_batch_parts`), remembered like :meth:`device_iteration`."""
+        def compute():
+            _, b, p, sampled = self.device_iteration(cost, d)
+            return micro_batch_parts(cost, b, d.decode_kv_tokens, p, p * (p + 1) // 2, p, sampled,
+                                     self.params.micro_batches)
+        return self._cached(("mb", id(cost), d.id), compute)
+
     def _device_iteration(self, cost: ModelCost, d: DeviceState) -> tuple[float, int, int, int]:
         b = max(0, d.running - (1 if d.queued_prefill_tokens else 0))
         p = min(d.queued_prefill_tokens, max(0, self.params.max_batched_tokens - b))
@@ -126,9 +137,19 @@ class WhatIf:
     def evaluate(self, snapshot: ClusterSnapshot, candidates: list[GrantLease],
                  horizon_s: float = 1.0) -> list[WhatIfResult]:
         """Predict each candidate independently (against the current snapshot)."""
-        self._memo = {}  # the snapshot does not change during one call
-        try:
+        with self.same_snapshot():
             return [self._one(snapshot, c, horizon_s) for c in candidates]
+
+    @contextlib.contextmanager
+    def same_snapshot(self):
+        """Within this block every call is about one snapshot: the devices' own iterations and the other per-device
+        terms are computed once (a policy's whole decision runs in one; nested blocks share the outer one)."""
+        if self._memo is not None:
+            yield
+            return
+        self._memo = {}
+        try:
+            yield
         finally:
             self._memo = None
 
@@ -152,14 +173,16 @@ class WhatIf:
                 idle_share = max(lease.share, 1.0 - g.guest_share + lease.share)
                 shares.append(lease.share if (g.busy or g.outstanding) else idle_share)
         base_s = local_s
+        mb = self.micro_batch_parts(hcost, home)
         if parts:
             base_s = min(local_s, offloaded_iteration_time(hcost, parts, shares, b, home.decode_kv_tokens, p,
-                                                           p * (p + 1) // 2, p, sampled, prm.micro_batches).total_s)
+                                                           p * (p + 1) // 2, p, sampled, prm.micro_batches,
+                                                           mb).total_s)
         g_share = cand.share if (guest.busy or guest.outstanding) else max(cand.share, 1.0 - guest.guest_share)
         parts.append(OffloadPart(guest.id, len(cand.segments), cand.share, link, gcost))
         shares.append(g_share)
         leased = offloaded_iteration_time(hcost, parts, shares, b, home.decode_kv_tokens, p, p * (p + 1) // 2, p,
-                                          sampled, prm.micro_batches)
+                                          sampled, prm.micro_batches, mb)
         new_s = min(base_s, leased.total_s)
         ttft_before, _ = self.tenant_latency(hcost, home, ten, snap.now, base_s, p)
         ttft, tpot = self.tenant_latency(hcost, home, ten, snap.now, new_s, p)

@@ -239,16 +239,22 @@ class WhatIf:
         r_g = g_eff * chunk / t_chunk
         r_h = (p / base_s) if p and base_s > 0 else chunk / max(t_chunk, 1e-9)
         frac = r_g / (r_h + r_g)
+        new_bytes = 0 if (cand.tenant, "*") in guest.resident else gcost.weight_bytes
         ttft_before, _ = self.tenant_latency(hcost, home, ten, snap.now, base_s, p)
         ttft = ttft_before * (1.0 - frac)
         breaks: list[str] = []
         typical = int(ten.mean_input) if ten.mean_input > 0 else 1024
         a, c, _ = gcost.decode_line(16)
-        lane_tpot = (a + c * 16 * (typical + ten.mean_output / 2)) / max(cand.share, 1e-6)
+        lane_it = a + c * 16 * (typical + ten.mean_output / 2)
+        lane_tpot = lane_it / max(cand.share, 1e-6)
+        if own_active and guest.home_tenant is not None:
+            # while the guest's own tenant decodes, a lane iteration runs at most once between two of its own
+            # (the guest's TPOT), so a lane token waits for one of those too, whatever the share
+            own_it, *_ = self.device_iteration(self.cost(snap.tenants[guest.home_tenant], guest.kind), guest)
+            lane_tpot = max(lane_tpot, lane_it + own_it)
         if lane_tpot > prm.guest_margin * ten.sla.tpot_ms / 1000.0:
             breaks.append("lease_tpot")  # the tenant's own sequences would be too slow on the guest's share
         g_ttft, g_tpot, kv_need = self._guest_side(snap, guest, cand.share, horizon_s, breaks)
-        new_bytes = 0 if (cand.tenant, "*") in guest.resident else gcost.weight_bytes
         moved_kv = int(ten.rate_rps * horizon_s * frac * (ten.mean_input + ten.mean_output)
                        * gcost.kv_bytes_per_token) + int(home.queued * frac * (ten.mean_input + ten.mean_output)
                                                          * gcost.kv_bytes_per_token)

@@ -81,3 +81,24 @@ def test_memory_bound_is_checked(snap):
     finally:
         g.used_bytes = saved
     assert "memory_now" in r.breaks and not r.ok
+
+
+def test_a_lane_on_a_decoding_guest_waits_for_the_guests_own_iteration(snap):
+    """While the guest's own tenant decodes, a lane runs at most one iteration between two of its own, so a lane
+    token costs one of the guest's iterations too, however large the share: a guest with a long own iteration is
+    no place for a lane (its TPOT would break), one with a short own iteration is."""
+    cluster, s = snap
+    w = WhatIf.for_cluster(cluster)
+    c = _cands(s, 1, share=0.9, mode="sequences")[0]
+    g = s.devices[c.guest_device]
+    saved = (g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens)
+    try:
+        g.busy, g.queued, g.queued_prefill_tokens = True, 0, 0
+        g.running, g.decode_kv_tokens = 4, 4 * 500  # a short own decode iteration
+        light = w.evaluate(s, [c])[0]
+        g.running, g.decode_kv_tokens = 256, 256 * 3000  # a long one
+        heavy = w.evaluate(s, [c])[0]
+    finally:
+        g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens = saved
+    assert "lease_tpot" not in light.breaks
+    assert "lease_tpot" in heavy.breaks and heavy.tpot_s > light.tpot_s

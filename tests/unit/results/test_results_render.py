@@ -124,6 +124,13 @@ def test_a_bound_that_is_no_upper_bound_is_called_out(out, tmp_path):
     assert "at ≤ 1%, `pooled-bound`" not in text
     c = sim_checks(load_results(out)["sim"]["azure-16mix-a1.3"])
     assert c["captured_9"] is None and c["captured_1"] == pytest.approx(0.5)  # no share of a gain that is no bound
+    # ... but the share target holds there: slice has all of the gain the bound shows
+    assert c["above_bound_9"] is True
+    assert list(sim_summary_checks({"w": load_results(out)["sim"]["azure-16mix-a1.3"]}).values())[2] is True
+    res["policies"]["pooled-bound"]["tokens_per_s_9"] = 20000.0  # slice (8000) has 25% of the bound's gain
+    res.pop("pooled_gain_captured")  # computed again from the policies' numbers
+    p.write_text(json.dumps(res))
+    assert list(sim_summary_checks({"w": load_results(out)["sim"]["azure-16mix-a1.3"]}).values())[2] is False
 
 
 def test_a_ratio_without_any_lease_is_flagged():

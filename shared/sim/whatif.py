@@ -11,7 +11,6 @@ per candidate; used inside the ``slice`` policy offline and by the simulator ser
 from __future__ import annotations
 
 import contextlib
-
 import math
 from dataclasses import dataclass, field
 
@@ -239,7 +238,6 @@ class WhatIf:
         r_g = g_eff * chunk / t_chunk
         r_h = (p / base_s) if p and base_s > 0 else chunk / max(t_chunk, 1e-9)
         frac = r_g / (r_h + r_g)
-        new_bytes = 0 if (cand.tenant, "*") in guest.resident else gcost.weight_bytes
         ttft_before, _ = self.tenant_latency(hcost, home, ten, snap.now, base_s, p)
         ttft = ttft_before * (1.0 - frac)
         breaks: list[str] = []
@@ -255,6 +253,7 @@ class WhatIf:
         if lane_tpot > prm.guest_margin * ten.sla.tpot_ms / 1000.0:
             breaks.append("lease_tpot")  # the tenant's own sequences would be too slow on the guest's share
         g_ttft, g_tpot, kv_need = self._guest_side(snap, guest, cand.share, horizon_s, breaks)
+        new_bytes = 0 if (cand.tenant, "*") in guest.resident else gcost.weight_bytes
         moved_kv = int(ten.rate_rps * horizon_s * frac * (ten.mean_input + ten.mean_output)
                        * gcost.kv_bytes_per_token) + int(home.queued * frac * (ten.mean_input + ten.mean_output)
                                                          * gcost.kv_bytes_per_token)

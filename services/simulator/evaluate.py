@@ -88,7 +88,8 @@ class WhatIfEvaluator:
         self.homes = {t.name: t.home_devices for t in tenants.tenants}
 
     def evaluate(self, view: TwinView, cands: list[WhatIfCandidate]) -> list[WhatIfOutcome]:
-        return [self.one(view, i, c) for i, c in enumerate(cands)]
+        with self.whatif.same_snapshot():  # one twin view for the whole batch: per-device terms computed once
+            return [self.one(view, i, c) for i, c in enumerate(cands)]
 
     def one(self, view: TwinView, index: int, c: WhatIfCandidate) -> WhatIfOutcome:
         if c.tenant not in self.sla:

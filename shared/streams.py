@@ -84,18 +84,24 @@ class StreamConsumer:
 
     ``handler`` returns ``ACK`` (ack now) or ``DEFER`` (the owner calls :meth:`ack` later); raising counts as a
     failed delivery, retried from the pending list until ``max_deliveries``, then dead-lettered.
+
+    ``noack=True`` reads new entries with XREADGROUP NOACK: they never enter the pending list, so one round trip
+    less per entry, and an entry whose consumer dies before handling it is lost. Only for requests that are
+    worthless after a short deadline (what-if queries): re-delivering them later helps nobody. Entries already
+    pending (from a run without it) are still handled and acked.
     """
 
     def __init__(self, *, cmd: aioredis.Redis, blocking: aioredis.Redis, stream: str, group: str, consumer: str,
                  types: Any, handler: Handler, dead_stream: str, on_dead: DeadCallback | None = None,
                  block_ms: int = 1000, count: int = 64, max_deliveries: int = 5, min_idle_ms: int = 30_000,
-                 reclaim_interval_s: float = 5.0, trim_interval_s: float = 30.0) -> None:
+                 reclaim_interval_s: float = 5.0, trim_interval_s: float = 30.0, noack: bool = False) -> None:
         self.cmd, self.blocking = cmd, blocking
         self.stream, self.group, self.consumer = stream, group, consumer
         self.types, self.handler = types, handler
         self.dead_stream, self.on_dead = dead_stream, on_dead
         self.block_ms, self.count, self.max_deliveries = block_ms, count, max_deliveries
         self.min_idle_ms, self.reclaim_interval_s, self.trim_interval_s = min_idle_ms, reclaim_interval_s, trim_interval_s
+        self.noack = noack
         self.handled = 0
         self.dead_lettered = 0
         self.read_errors = 0
@@ -116,8 +122,10 @@ class StreamConsumer:
                 return
             try:
                 start = cursor if read_pending else ">"
+                pending = read_pending or not self.noack  # NOACK entries never enter the pending list
                 resp = await self.blocking.xreadgroup(self.group, self.consumer, {self.stream: start},
-                                                      count=self.count, block=None if read_pending else self.block_ms)
+                                                      count=self.count, block=None if read_pending else self.block_ms,
+                                                      noack=not pending)
                 entries = resp[0][1] if resp else []
                 if read_pending:
                     # page through our own PEL; a short page means we reached its end
@@ -129,7 +137,7 @@ class StreamConsumer:
                 for entry_id, fields in entries:
                     if stop.is_set():
                         break
-                    await self._dispatch(entry_id, fields, reclaimed=False)
+                    await self._dispatch(entry_id, fields, reclaimed=False, pending=pending)
             except ResponseError as e:
                 if "NOGROUP" in str(e):
                     log.warning("stream_group_missing", stream=self.stream, group=self.group)
@@ -178,7 +186,7 @@ class StreamConsumer:
                 return n
 
     # ------------------------------------------------------------ internals
-    async def _dispatch(self, entry_id: Any, fields: dict, *, reclaimed: bool) -> None:
+    async def _dispatch(self, entry_id: Any, fields: dict, *, reclaimed: bool, pending: bool = True) -> None:
         eid = _s(entry_id)
         raw = entry_payload(fields)
         if raw is None:
@@ -205,7 +213,7 @@ class StreamConsumer:
                     return
                 await asyncio.sleep(0.02 * 2**attempt)
         self.handled += 1
-        if result != DEFER:
+        if result != DEFER and pending:
             await self.ack(eid)
 
     async def _dead(self, entry_id: str, raw: bytes | None, reason: str) -> None:

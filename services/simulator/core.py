@@ -101,24 +101,27 @@ class SimulatorCore:
         return WhatIfReply(msg_id=uuid.uuid4().hex, query_id=q.query_id, epoch=self.view.epoch, outcomes=outcomes,
                            compute_ms=(time.perf_counter() - t0) * 1e3)
 
+    def forecast_devices(self) -> list[str]:
+        """Devices with a forecast in the current view."""
+        return list(self.view.forecasts) if self.view is not None else []
+
+    def forecast_fields_of(self, d: str, now: float) -> dict[str, str]:
+        """The ``sim:forecast:{device}`` hash of one device (plain fields; see docs/redis-schema.md)."""
+        f, w = self.view.forecasts[d], self.view.works[d]
+        idle = f.idle()
+        return {"ts": f"{now:.3f}", "epoch": str(self.view.epoch), "horizon_s": f"{f.horizon_s:g}",
+                "label": "simulated", "state": "up" if w.up else "down", "tenant": w.tenant,
+                "busy_s": f"{f.busy_s:.4f}", "busy_ratio": f"{f.busy_s / f.horizon_s:.3f}",
+                "busy": _intervals(f.busy), "idle": _intervals(idle),
+                "next_idle_s": f"{idle[0][0]:.4f}" if idle else f"{f.horizon_s:g}",
+                "longest_idle_s": f"{max((e - s for s, e in idle), default=0.0):.4f}",
+                "iteration_ms": f"{f.iteration_s * 1e3:.3f}", "limit": str(f.limit),
+                "free_now": str(f.limit - w.reserved), "free_min": str(f.min_free()),
+                "peak_bytes": str(f.peak_bytes), "memory": _memory(f)}
+
     def forecast_fields(self, now: float) -> dict[str, dict[str, str]]:
-        """The ``sim:forecast:{device}`` hashes (plain fields; see docs/redis-schema.md)."""
-        if self.view is None:
-            return {}
-        out = {}
-        for d, f in self.view.forecasts.items():
-            idle = f.idle()
-            w = self.view.works[d]
-            out[d] = {"ts": f"{now:.3f}", "epoch": str(self.view.epoch), "horizon_s": f"{f.horizon_s:g}",
-                      "label": "simulated", "state": "up" if w.up else "down", "tenant": w.tenant,
-                      "busy_s": f"{f.busy_s:.4f}", "busy_ratio": f"{f.busy_s / f.horizon_s:.3f}",
-                      "busy": _intervals(f.busy), "idle": _intervals(idle),
-                      "next_idle_s": f"{idle[0][0]:.4f}" if idle else f"{f.horizon_s:g}",
-                      "longest_idle_s": f"{max((e - s for s, e in idle), default=0.0):.4f}",
-                      "iteration_ms": f"{f.iteration_s * 1e3:.3f}", "limit": str(f.limit),
-                      "free_now": str(f.limit - w.reserved), "free_min": str(f.min_free()),
-                      "peak_bytes": str(f.peak_bytes), "memory": _memory(f)}
-        return out
+        """Every device's ``sim:forecast:{device}`` hash."""
+        return {d: self.forecast_fields_of(d, now) for d in self.forecast_devices()}
 
     def rates_fields(self, now: float) -> dict[str, str]:
         """The ``sim:rates`` hash: ``<tenant>`` = arrivals/s, ``<tenant>:mean_input``/``:mean_output`` tokens."""

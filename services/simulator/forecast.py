@@ -7,6 +7,7 @@ with the cost model's decode line ``a + c*K``. Pure: no clock, no Redis.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -94,7 +95,11 @@ def _decode_run(cost: ModelCost, n: int, kv: int, k: int) -> float:
 
 
 def forecast_device(w: DeviceWork, horizon_s: float, *, max_events: int = 512) -> Forecast:
-    """Forecast one device (see module doc). A device that is down or has no model is idle with constant memory."""
+    """Forecast one device (see module doc). A device that is down or has no model is idle with constant memory.
+
+    Every running sequence advances one token per iteration, so the sequences are kept as a heap of finish points
+    on one shared token clock ``g`` plus running sums: an event costs O(log n), not a pass over every sequence.
+    """
     reserved, peak = w.reserved, w.reserved
     memory = [(0.0, reserved)]
     busy: list[tuple[float, float]] = []
@@ -102,14 +107,18 @@ def forecast_device(w: DeviceWork, horizon_s: float, *, max_events: int = 512) -
     cost = w.cost
     if cost is None or not w.up:
         return Forecast(w.device, horizon_s, [], memory, peak, w.limit, 0.0)
-    seqs = [Seq(s.request_id, s.ctx, max(1, s.remaining), s.kv_bytes) for s in w.seqs]
+    # a sequence that joined at token clock g0 with context c0 has context c0 + (g - g0) now and finishes at
+    # g0 + remaining; ctx_base = sum of (c0 - g0) over the live ones, so their total context is ctx_base + n * g
+    heap = [(max(1, s.remaining), i, s.request_id, s.kv_bytes, s.ctx) for i, s in enumerate(w.seqs)]
+    heapq.heapify(heap)
+    ctx_base = sum(s.ctx for s in w.seqs)
+    g, seq_no = 0, len(heap)
     mi, mo = max(1, int(w.mean_input)), max(1, int(w.mean_output))
     per_req_kv = (mi + mo) * w.kv_bytes_per_token
     queue = [mi] * w.queued  # remaining prompt tokens of queued requests (their KV is reserved at admission)
     gap = 1.0 / w.rate_rps if w.rate_rps > 0 else math.inf
     next_arrival = gap
-    n0 = len(seqs)
-    iteration_s = cost.iteration_time(n0, sum(s.ctx for s in seqs)) if n0 else 0.0
+    iteration_s = cost.iteration_time(len(heap), ctx_base) if heap else 0.0
     t, events, new_id = 0.0, 0, 0
     while t < horizon_s and events < max_events:
         events += 1
@@ -119,28 +128,28 @@ def forecast_device(w: DeviceWork, horizon_s: float, *, max_events: int = 512) -
             memory.append((next_arrival, reserved))
             next_arrival += gap
         peak = max(peak, reserved)
-        if queue and len(seqs) < w.max_num_seqs:
+        n = len(heap)
+        if queue and n < w.max_num_seqs:
             # one mixed iteration: decode tokens plus a prefill chunk of the queue's head
-            budget = max(1, w.max_batched_tokens - len(seqs))
+            budget = max(1, w.max_batched_tokens - n)
             q = min(queue[0], budget)
             done = mi - queue[0]
-            kv = sum(s.ctx for s in seqs)
             pairs = q * done + q * (q + 1) // 2
             last = q >= queue[0]
-            dt = cost.iteration_time(len(seqs), kv, q, pairs, done + q, sampled=len(seqs) + (1 if last else 0))
+            dt = cost.iteration_time(n, ctx_base + n * g, q, pairs, done + q, sampled=n + (1 if last else 0))
             _add_busy(busy, t, min(t + dt, horizon_s))
             t += dt
-            for s in seqs:
-                s.ctx += 1
-                s.remaining -= 1
+            g += 1
             queue[0] -= q
             if last:
                 queue.pop(0)
                 new_id += 1
-                seqs.append(Seq(f"+{new_id}", mi + 1, mo - 1, per_req_kv))
-        elif seqs:
-            n, kv = len(seqs), sum(s.ctx for s in seqs)
-            k = min(s.remaining for s in seqs)
+                heapq.heappush(heap, (g + mo - 1, seq_no, f"+{new_id}", per_req_kv, mi + 1 - g))
+                seq_no += 1
+                ctx_base += mi + 1 - g
+        elif heap:
+            kv = ctx_base + n * g
+            k = heap[0][0] - g
             a, c, _ = cost.decode_line(n)
             per_it = a + c * kv
             if next_arrival < horizon_s:
@@ -149,20 +158,17 @@ def forecast_device(w: DeviceWork, horizon_s: float, *, max_events: int = 512) -
             dt = _decode_run(cost, n, kv, k)
             _add_busy(busy, t, min(t + dt, horizon_s))
             t += dt
-            for s in seqs:
-                s.ctx += k
-                s.remaining -= k
+            g += k
         else:
             t = min(next_arrival, horizon_s)
             continue
-        alive = []
-        for s in seqs:
-            if s.remaining > 0:
-                alive.append(s)
-            else:
-                finishes[s.request_id] = t
-                reserved -= s.kv_bytes
-        if len(alive) != len(seqs):
+        freed = False
+        while heap and heap[0][0] <= g:
+            _, _, rid, kv_bytes, base = heapq.heappop(heap)
+            finishes[rid] = t
+            reserved -= kv_bytes
+            ctx_base -= base
+            freed = True
+        if freed:
             memory.append((min(t, horizon_s), reserved))
-        seqs = alive
     return Forecast(w.device, horizon_s, busy, memory, peak, w.limit, iteration_s, finishes)

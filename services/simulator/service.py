@@ -26,13 +26,16 @@ log = structlog.get_logger()
 
 REPLY_MAXLEN = 1000
 FORECAST_TTL_S = 10
+STEP_GAP_S = 0.001  # pause between the per-device steps of a refresh or publish, so a what-if query waits < 1 step
+PUBLISH_CHUNK = 8  # devices per forecast-publish pipeline
 
 
 class SimulatorService:
     """The twin, forecasts and what-if answers of the live mesh."""
 
     def __init__(self, settings: Settings, cluster: ClusterConfig, tenants: TenantsConfig, name: str = "simulator",
-                 *, refresh_interval_s: float = 0.25, publish_interval_s: float = 0.5) -> None:
+                 *, refresh_interval_s: float = 0.25, publish_interval_s: float = 0.5,
+                 step_gap_s: float = STEP_GAP_S) -> None:
         self.s, self.cluster, self.tenants, self.name = settings, cluster, tenants, name
         self.p = settings.prefix
         self.redis = command_client(settings.redis_url, name=f"{name}-cmd")
@@ -43,12 +46,13 @@ class SimulatorService:
         self.producer = StreamProducer(self.redis)
         self.shell = ServiceShell("simulator", name, prefix=self.p, redis=self.redis)
         self.refresh_interval_s, self.publish_interval_s = refresh_interval_s, publish_interval_s
+        self.step_gap_s = step_gap_s
         self.events = StreamConsumer(cmd=self.redis, blocking=self._blocking[2], stream=events_stream(self.p),
                                      group=GROUP_SIMULATOR, consumer=name, types=EventsMsg, handler=self._on_event,
                                      dead_stream=dead_stream(self.p), min_idle_ms=30_000)
         self.rpc = StreamConsumer(cmd=self.redis, blocking=self._blocking[3], stream=sim_rpc_stream(self.p),
                                   group=GROUP_SIMULATOR, consumer=name, types=SimRpcMsg, handler=self._on_query,
-                                  dead_stream=dead_stream(self.p), min_idle_ms=5_000, block_ms=1000)
+                                  dead_stream=dead_stream(self.p), block_ms=1000, noack=True)
         reg = self.shell.registry
         self.m_epoch = Gauge("slicesched_sim_twin_epoch", "GMG epoch of the simulator's twin", registry=reg)
         self.m_error = Gauge("slicesched_sim_prediction_error",
@@ -98,17 +102,19 @@ class SimulatorService:
 
     # ------------------------------------------------------------ twin
     async def refresh(self) -> TwinView:
-        """Rebuild the twin's work and forecasts, one device at a time so what-if answers are not held up."""
+        """Rebuild the twin's work and forecasts one device at a time, pausing ``step_gap_s`` between devices: a
+        what-if query that arrives meanwhile is answered in the pause instead of sharing every loop turn with a
+        refresh step (a bare ``sleep(0)`` lets the next step run on each of the turns the query's read needs)."""
         now = time.time()
         snap = self.follower.snapshot
         self.core.evaluator.whatif.update()
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.step_gap_s)
         rates = self.core.twin.rates.rates(now)
         works, forecasts = {}, {}
         for d in snap.devices:
             w = works[d] = self.core.twin.work_of(snap, d, now, rates)
             forecasts[d] = forecast_device(w, self.core.horizon_s)
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.step_gap_s)
         cluster = self.core.twin.cluster_snapshot(snap, works, now)
         self.core.view = TwinView(snap.epoch, snap, works, forecasts, self.core.horizon_s, cluster)
         self.core.view_ts = now
@@ -127,14 +133,20 @@ class SimulatorService:
             await _sleep(self.shell.stop, self.refresh_interval_s)
 
     async def publish(self) -> None:
-        """Write forecasts, rates and corrections (plain hashes, see docs/redis-schema.md)."""
+        """Write forecasts, rates and corrections (plain hashes, see docs/redis-schema.md); forecasts in pipelines
+        of ``PUBLISH_CHUNK`` devices with a pause between them (see :meth:`refresh`)."""
         now = time.time()
+        devices = self.core.forecast_devices()
+        for i in range(0, len(devices), PUBLISH_CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for d in devices[i:i + PUBLISH_CHUNK]:
+                key = sim_forecast_key(self.p, d)
+                pipe.delete(key)
+                pipe.hset(key, mapping=self.core.forecast_fields_of(d, now))
+                pipe.expire(key, FORECAST_TTL_S)
+            await pipe.execute()
+            await asyncio.sleep(self.step_gap_s)
         pipe = self.redis.pipeline(transaction=False)
-        for d, fields in self.core.forecast_fields(now).items():
-            key = sim_forecast_key(self.p, d)
-            pipe.delete(key)
-            pipe.hset(key, mapping=fields)
-            pipe.expire(key, FORECAST_TTL_S)
         pipe.hset(sim_rates_key(self.p), mapping=self.core.rates_fields(now))
         corr = self.core.corrections_fields()
         if corr:

@@ -119,3 +119,43 @@ async def test_restart_rereads_own_pending_first(redis, redis_url, prefix):
     await safe_trim(redis, stream)
     await c.blocking.aclose()
     await c2.blocking.aclose()
+
+
+async def test_noack_consumer_leaves_nothing_pending_and_acks_old_pending(redis, redis_url, prefix):
+    stream = requests_stream(prefix)
+    prod = StreamProducer(redis)
+    await prod.add(stream, _req(0))
+    # an earlier run without NOACK read r0 and died before acking it
+    await redis.xgroup_create(stream, "g", id="0", mkstream=True)
+    a = blocking_client(redis_url, block_ms=200)
+    await a.xreadgroup("g", "A", {stream: ">"}, count=10)
+    await a.aclose()
+    assert (await redis.xpending(stream, "g"))["pending"] == 1
+    seen, acks = [], []
+
+    async def handler(d):
+        seen.append(d.msg.request_id)
+        return ACK
+
+    c = _consumer(redis, redis_url, prefix, "A", handler, noack=True)
+    orig_ack = c.ack
+
+    async def counting_ack(entry_id):
+        acks.append(entry_id)
+        await orig_ack(entry_id)
+
+    c.ack = counting_ack
+    stop = asyncio.Event()
+    task = asyncio.create_task(c.run(stop))
+    for i in range(1, 4):
+        await prod.add(stream, _req(i))
+    for _ in range(100):
+        if len(seen) == 4:
+            break
+        await asyncio.sleep(0.02)
+    stop.set()
+    await task
+    assert seen == ["r0", "r1", "r2", "r3"]
+    assert len(acks) == 1  # only the entry that was already pending: NOACK reads cost no XACK
+    assert (await redis.xpending(stream, "g"))["pending"] == 0
+    await c.blocking.aclose()

@@ -30,7 +30,37 @@ BOUNDS = {"9": 0.09, "1": 0.01}
 FIDELITIES: dict[str, str] = {"sim": "services.cli.bench_compare:run_sim_point",
                               "emulated": "services.cli.compare_mesh:run_emulated_point",
                               "real": "services.cli.compare_mesh:run_real_point"}
-SERIAL_FIDELITIES = {"emulated", "real"}  # one mesh at a time on this machine
+SERIAL_FIDELITIES = {"emulated", "real"}  # one mesh at a time on this machine; the policies' points alternate
+
+
+class _Turns:
+    """Round-robin turns for the policies' searches of a serial fidelity: one point at a time, policy after
+    policy (container, slice, container, slice, ...), so a drift of the machine's speed over the run reaches every
+    policy alike instead of whichever searched during it. A policy whose search has ended leaves the rotation."""
+
+    def __init__(self, policies: list[str]) -> None:
+        self.order = list(policies)
+        self.turn = 0
+        self.cond = threading.Condition()
+
+    def run(self, policy: str, fn: Callable[[], Any]) -> Any:
+        with self.cond:
+            self.cond.wait_for(lambda: self.order[self.turn % len(self.order)] == policy)
+        try:
+            return fn()
+        finally:
+            with self.cond:
+                self.turn = (self.order.index(policy) + 1) % len(self.order)
+                self.cond.notify_all()
+
+    def leave(self, policy: str) -> None:
+        with self.cond:
+            i = self.order.index(policy)
+            current = self.order[self.turn % len(self.order)]
+            self.order.remove(policy)
+            if self.order:
+                self.turn = self.order.index(current) if current != policy else i % len(self.order)
+            self.cond.notify_all()
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -144,9 +174,19 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
     lock = threading.Lock()
     log: list[dict[str, Any]] = []
 
+    serial = args.fidelity in SERIAL_FIDELITIES
+    turns = _Turns(policies) if serial else None
+
     def search(policy: str) -> tuple[str, dict[str, Any]]:
+        try:
+            return policy, one_search(policy)
+        finally:
+            if turns is not None:
+                turns.leave(policy)
+
+    def one_search(policy: str) -> dict[str, Any]:
         def at(scale: float) -> dict[str, Any]:
-            r = point(args, policy, scale)
+            r = turns.run(policy, lambda: point(args, policy, scale)) if turns else point(args, policy, scale)
             with lock:
                 log.append({"policy": policy, "scale": scale, **{k: r[k] for k in ("tokens_per_s", "violation_rate",
                                                                                      "wall_s") if k in r}})
@@ -162,10 +202,10 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
             if key == "9":
                 out["violation_rate"] = r["violation_rate"] if r else None
                 out["leases"] = r.get("leases") if r else None
-        return policy, out
+        return out
 
     t0 = time.perf_counter()
-    jobs = 1 if args.fidelity in SERIAL_FIDELITIES else max(1, args.jobs)
+    jobs = len(policies) if serial else max(1, args.jobs)  # serial: one thread per search, turns keep one point
     with ThreadPoolExecutor(max_workers=jobs) as ex:
         results = dict(ex.map(search, policies))
     res: dict[str, Any] = {"policies": {p: results[p] for p in policies}, "fidelity": args.fidelity,

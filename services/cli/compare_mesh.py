@@ -5,7 +5,9 @@ Redis, the gateway) with one policy, replay the workload over HTTP at a rate sca
   accounted, placeholder tokens) — results are labelled emulated.
 * ``real``: ``cpu``/``cuda`` devices computing for real.
 
-Points run one at a time (one mesh on the machine); ``--jobs`` is ignored for these fidelities.
+Points run one at a time (one mesh on the machine), the policies taking turns point by point (container, slice,
+container, ...; ``bench_compare._Turns``) so that a drift of the machine's speed during the run reaches every
+policy alike; ``--jobs`` is ignored for these fidelities.
 """
 from __future__ import annotations
 

@@ -139,3 +139,35 @@ def test_bench_compare_mesh_fidelity_refuses_sized_containers(files, capsys):
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
                "--policies", "container", "--fidelity", "emulated", "--containers", "sized"])
     assert rc == 2 and "home devices" in _one_line_error(capsys)
+
+
+def test_mesh_fidelity_searches_take_turns(monkeypatch):
+    """On a serial fidelity the policies' points alternate (a drift of the machine reaches both alike); a policy
+    whose search ends leaves the rotation and the other finishes alone."""
+    import argparse
+    import time as _time
+
+    from services.cli import bench_compare
+
+    order, running = [], []
+    limit = {"container": 3.0, "slice": 9.0}  # slice needs more points: its boundary is further out
+
+    def point(args, policy, scale):
+        running.append(policy)
+        assert len(running) == 1, "two mesh points at once"
+        _time.sleep(0.01 if policy == "container" else 0.002)  # different speeds must not break the alternation
+        order.append(policy)
+        running.pop()
+        return {"tokens_per_s": 10.0 * scale, "violation_rate": 0.0 if scale <= limit[policy] else 0.5}
+
+    monkeypatch.setattr(bench_compare, "_runner", lambda fidelity: point)
+    args = argparse.Namespace(fidelity="real", start_scale=4.0, tolerance=0.05, max_scale=64.0, jobs=1,
+                              workload="w.yaml", cluster="c.yaml", seed=None, duration_s=None, containers=None)
+    res = bench_compare.compare(args, ["container", "slice"])
+    n_c = order.count("container")
+    assert order[: 2 * n_c - 1:2] == ["container"] * n_c  # strict alternation while both search
+    assert order[1: 2 * n_c:2] == ["slice"] * n_c
+    assert order[2 * n_c:] == ["slice"] * (len(order) - 2 * n_c)
+    assert order.count("slice") > n_c
+    assert 2.8 < res["policies"]["container"]["max_scale_9"] <= 3.0
+    assert 8.5 < res["policies"]["slice"]["max_scale_9"] <= 9.0

@@ -120,6 +120,7 @@ async def test_held_streams_survive_trimming_and_give_the_timeline(redis, redis_
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.timeout(1800)  # two meshes, several points each: minutes, far past the suite's 120 s default
 def test_quick_run_of_every_fidelity(small):
     out = small / "docs" / "results"
     rc = main(["bench", "results", "--quick", "--out", str(out), "--readme", str(small / "README.md"),

@@ -171,3 +171,41 @@ def test_mesh_fidelity_searches_take_turns(monkeypatch):
     assert order.count("slice") > n_c
     assert 2.8 < res["policies"]["container"]["max_scale_9"] <= 3.0
     assert 8.5 < res["policies"]["slice"]["max_scale_9"] <= 9.0
+
+
+def test_confirmed_search_replays_the_boundary_and_drops_a_lucky_pass(monkeypatch):
+    """With --confirm 2 a reported point must pass twice: a point that passed once by luck fails its replay and
+    the bisection goes on below it; the reported throughput is the replays' mean."""
+    import argparse
+
+    from services.cli import bench_compare
+
+    calls: dict[float, int] = {}
+
+    def point(args, policy, scale):
+        n = calls[scale] = calls.get(scale, 0) + 1
+        lucky = 4.0 < scale <= 5.0 and n == 1  # passes the first time only
+        ok = scale <= 4.0 or lucky
+        return {"tokens_per_s": 10.0 * scale + n, "violation_rate": 0.0 if ok else 0.5}
+
+    monkeypatch.setattr(bench_compare, "_runner", lambda fidelity: point)
+    base = dict(start_scale=1.0, tolerance=0.05, max_scale=64.0, jobs=1, workload="w.yaml", cluster="c.yaml",
+                seed=None, duration_s=None, containers=None)
+    once = bench_compare.compare(argparse.Namespace(fidelity="real", confirm=1, **base), ["container"])
+    assert 4.5 < once["policies"]["container"]["max_scale_9"] <= 5.0  # the lucky pass is the answer
+    calls.clear()
+    res = bench_compare.compare(argparse.Namespace(fidelity="real", **base), ["container"])  # default: 2 on real
+    r = res["policies"]["container"]
+    assert res["confirm"] == 2
+    assert 3.8 < r["max_scale_9"] <= 4.0
+    s = float(f"{r['max_scale_9']:.6g}")
+    assert calls[s] == 2
+    assert r["tokens_per_s_9"] == pytest.approx(10.0 * s + 1.5)  # mean of the two replays
+    assert len([x for x in res["runs"] if x["scale"] == s]) == 2  # both replays are in the log
+    assert bench_compare.confirm_of(argparse.Namespace(fidelity="sim")) == 1
+
+
+def test_bench_compare_refuses_confirm_below_one(files, capsys):
+    rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--policies", "container", "--confirm", "0"])
+    assert rc == 2 and "--confirm" in _one_line_error(capsys)

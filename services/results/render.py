@@ -88,6 +88,9 @@ def policy_table(res: Mapping[str, Any]) -> list[str]:
     lines = [f"| policy | max scale ≤9% | tok/s ≤9% | × container |{share} violations at that point | leases granted "
              f"| max scale ≤1% | tok/s ≤1% | × container |{' share of gain |' if bound else ''}",
              "|---|" + "---:|" * (10 if bound else 8)]
+    if (res.get("confirm") or 1) > 1:
+        lines[:0] = [f"Each reported point passed {res['confirm']} replays (`--confirm`): its violation rate is the worst "
+                     "of them, its tokens/s their mean.", ""]
     for name, r in res["policies"].items():
         c9 = f" {pct(cap.get(name, {}).get('9'))} |" if bound else ""
         c1 = f" {pct(cap.get(name, {}).get('1'))} |" if bound else ""

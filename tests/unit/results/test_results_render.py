@@ -147,3 +147,12 @@ def test_a_run_kept_outside_docs_results_leaves_the_readme_alone(out, tmp_path, 
     rc = main(["bench", "results", "--render-only", "--out", str(out)])  # no --readme, --out not docs/results
     assert rc == 0 and readme.read_text() == "# Project\n\n" + BEGIN + "\nold block\n" + END + "\n"
     assert (out.parent / (out.name + ".md")).is_file()
+
+
+def test_a_confirmed_search_says_so_above_its_table():
+    from services.results.render import policy_table
+    r = {"max_scale_9": 4.0, "tokens_per_s_9": 180.0, "max_scale_1": 3.0, "tokens_per_s_1": 100.0,
+         "violation_rate": 0.02}
+    res = {"policies": {"container": r}, "ratio_to_container": {"container": {"9": 1.0, "1": 1.0}}}
+    assert not any("replays" in x for x in policy_table(res))
+    assert "passed 2 replays" in policy_table(dict(res, confirm=2))[0]

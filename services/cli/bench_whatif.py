@@ -29,6 +29,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", type=int, default=8, help="candidates per query")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-ms", type=float, default=1000.0, help="per-query RPC timeout")
+    p.add_argument("--in-process", action="store_true",
+                   help="time the evaluation alone: the service's core called in this process, no RPC (separates "
+                        "the evaluation's own tail from the trips through Redis)")
     p.add_argument("--json", dest="json_out", default=None)
 
 
@@ -114,13 +117,53 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path, 
         proc.wait(timeout=30)
         log.close()
         await redis.aclose()
-    return {"queries": len(lat), "candidates_per_query": args.candidates, "devices": len(cluster.devices),
+    return {"mode": "rpc", "queries": len(lat), "candidates_per_query": args.candidates, "devices": len(cluster.devices),
             "tenants": len(tenants.tenants), "outcomes": outcomes,
             "rpc_ms": {"p50": _pct(lat, 0.5), "p90": _pct(lat, 0.9), "p99": _pct(lat, 0.99), "max": max(lat)},
             "compute_ms": {"p50": _pct(compute, 0.5), "p99": _pct(compute, 0.99)},
             "cpu_ms_per_query": {k: round(v, 3) for k, v in cpu.items()},  # simulator's includes its refresh loops
             "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]}, "wall_s": wall,
             "target_p99_ms": 5.0, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+
+
+async def _bench_in_process(args, cluster, tenants, url: str, prefix: str) -> dict:
+    """The same synthetic twin and queries, answered by :class:`SimulatorCore` in this process: no Redis trips, no
+    other process, no refresh loop — what is left in the tail is the evaluation's and the machine's."""
+    from shared.gmg import GMGStore
+    from shared.gmg.follower import GMGFollower
+    from shared.messages import WhatIfQuery
+    from shared.redis_util import command_client
+    from services.simulator.core import SimulatorCore
+    from services.simulator.synthetic import write_synthetic_state
+
+    rng = random.Random(args.seed)
+    redis = command_client(url)
+    try:
+        await write_synthetic_state(GMGStore(redis, prefix), cluster, tenants, rng)
+        follower = GMGFollower(redis, prefix)
+        await follower.load()
+    finally:
+        await redis.aclose()
+    core = SimulatorCore(cluster, tenants)
+    core.refresh(follower.snapshot, time.time())
+    lat, outcomes = [], 0
+    for i in range(args.warmup + args.queries):
+        q = WhatIfQuery(msg_id=str(i), query_id=str(i), client="bench",
+                        candidates=_candidates(rng, cluster, tenants, args.candidates))
+        t0 = time.perf_counter()
+        reply = core.answer(q, time.time())
+        dt = (time.perf_counter() - t0) * 1e3
+        if i >= args.warmup:
+            lat.append(dt)
+            outcomes += len(reply.outcomes)
+    return {"mode": "in_process", "queries": len(lat), "candidates_per_query": args.candidates,
+            "devices": len(cluster.devices), "tenants": len(tenants.tenants), "outcomes": outcomes,
+            "compute_ms": {"p50": _pct(lat, 0.5), "p90": _pct(lat, 0.9), "p99": _pct(lat, 0.99), "max": max(lat)},
+            # the 20 slowest queries (index after warm-up, ms): the same --seed replays the same queries, so two runs
+            # tell a query that is slow to evaluate from a moment when the machine was slow
+            "slowest": [[i, round(lat[i], 3)] for i in sorted(range(len(lat)), key=lambda i: -lat[i])[:20]],
+            "loadavg_1m": os.getloadavg()[0], "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
@@ -135,10 +178,21 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-whatif-") as tmp:
         server = RedisServer(data_dir=Path(tmp) / "redis").start()
         try:
-            res = asyncio.run(_bench(args, cluster, tenants, server.url, "bench:", Path(tmp),
-                                     server.proc.pid if server.proc else 0))
+            if args.in_process:
+                res = asyncio.run(_bench_in_process(args, cluster, tenants, server.url, "bench:"))
+            else:
+                res = asyncio.run(_bench(args, cluster, tenants, server.url, "bench:", Path(tmp),
+                                         server.proc.pid if server.proc else 0))
         finally:
             server.stop()
+    if args.in_process:
+        c = res["compute_ms"]
+        print(f"what-if evaluation in process (no RPC), {res['candidates_per_query']} candidates, "
+              f"{res['devices']}-device twin ({res['tenants']} tenants), {res['queries']} queries")
+        print(f"  ms: p50 {c['p50']:.2f}  p90 {c['p90']:.2f}  p99 {c['p99']:.2f}  max {c['max']:.2f}")
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(res, indent=2))
+        return 0
     r, c = res["rpc_ms"], res["compute_ms"]
     print(f"what-if RPC, {res['candidates_per_query']} candidates, {res['devices']}-device twin "
           f"({res['tenants']} tenants), {res['queries']} queries")

@@ -185,13 +185,13 @@ def run(args: argparse.Namespace) -> int:
                                          server.proc.pid if server.proc else 0))
         finally:
             server.stop()
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(res, indent=2))
     if args.in_process:
         c = res["compute_ms"]
         print(f"what-if evaluation in process (no RPC), {res['candidates_per_query']} candidates, "
               f"{res['devices']}-device twin ({res['tenants']} tenants), {res['queries']} queries")
         print(f"  ms: p50 {c['p50']:.2f}  p90 {c['p90']:.2f}  p99 {c['p99']:.2f}  max {c['max']:.2f}")
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps(res, indent=2))
         return 0
     r, c = res["rpc_ms"], res["compute_ms"]
     print(f"what-if RPC, {res['candidates_per_query']} candidates, {res['devices']}-device twin "
@@ -203,6 +203,4 @@ def run(args: argparse.Namespace) -> int:
     print(f"  CPU ms per query: client {cpu['client']:.2f}  simulator {cpu['simulator']:.2f}  "
           f"redis {cpu['redis']:.2f}  (1-min load average {res['loadavg_1m']['start']:.1f} -> "
           f"{res['loadavg_1m']['end']:.1f} on {os.cpu_count()} CPUs)")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
     return 0

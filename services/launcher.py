@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -23,6 +24,15 @@ from shared.service import health_key
 # Benchmarks that measure scheduling or prediction turn the gateway's adaptive SLA admission limit off, so that
 # requests are not refused early on the gateway's own latency estimate (which would count as violations).
 MEASURE_ENV = {"SLICESCHED_ADMIT_SLA_FRACTION": "0"}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """utime + stime of process ``pid`` in seconds, from ``/proc/PID/stat``; None if it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -204,6 +214,23 @@ class Launcher:
                     c.proc.wait(timeout=5)
         if self.redis_server is not None:
             self.redis_server.stop()
+
+    def cpu_seconds(self, client: bool = False) -> dict[str, float]:
+        """CPU time (user + system, all threads) each running service and the private Redis have used so far, by
+        name; empty where ``/proc`` is not readable (not Linux). Differences of two readings give a window's use.
+        ``client``: also this process (where a bench runs its load generator), as ``client``."""
+        procs = [(c.name, c.proc) for c in self.children if c.proc is not None]
+        if self.redis_server is not None and self.redis_server.proc is not None:
+            procs.append(("redis", self.redis_server.proc))
+        out = {}
+        for name, proc in procs:
+            cpu = process_cpu_s(proc.pid)
+            if cpu is not None:
+                out[name] = cpu
+        if client and out:
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            out["client"] = r.ru_utime + r.ru_stime
+        return out
 
     def banner(self, dev_keys: dict[str, list[str]]) -> str:
         lines = [f"SliceScheduler is up: gateway {self.gateway_url}  (Ctrl-C stops everything)",

@@ -82,7 +82,8 @@ async def ensure_group(redis: aioredis.Redis, stream: str, group: str, start: st
 class StreamConsumer:
     """Reads one stream as ``consumer`` in ``group`` and dispatches decoded messages to ``handler``.
 
-    ``handler`` returns ``ACK`` (ack now) or ``DEFER`` (the owner calls :meth:`ack` later); raising counts as a
+    ``handler`` returns ``ACK`` (acked with the rest of its read batch, one XACK per batch, once every entry of
+    the batch was handled) or ``DEFER`` (the owner calls :meth:`ack` later); raising counts as a
     failed delivery, retried from the pending list until ``max_deliveries``, then dead-lettered.
 
     ``noack=True`` reads new entries with XREADGROUP NOACK: they never enter the pending list, so one round trip
@@ -110,8 +111,8 @@ class StreamConsumer:
     async def ensure_group(self) -> None:
         await ensure_group(self.cmd, self.stream, self.group)
 
-    async def ack(self, entry_id: str) -> None:
-        await self.cmd.xack(self.stream, self.group, entry_id)
+    async def ack(self, *entry_ids: str) -> None:
+        await self.cmd.xack(self.stream, self.group, *entry_ids)
 
     async def run(self, stop: asyncio.Event, max_messages: int | None = None) -> None:
         """Consume until ``stop`` is set (or ``max_messages`` were handled): PEL first, then new entries."""
@@ -134,10 +135,16 @@ class StreamConsumer:
                     if entries:
                         cursor = _s(entries[-1][0])
                     entries = [(i, f) for i, f in entries if f]  # trimmed-while-pending entries have no fields
-                for entry_id, fields in entries:
-                    if stop.is_set():
-                        break
-                    await self._dispatch(entry_id, fields, reclaimed=False, pending=pending)
+                acks: list[str] = []  # one XACK for the batch: a round trip per read, not per entry
+                try:
+                    for entry_id, fields in entries:
+                        if stop.is_set():
+                            break
+                        if await self._dispatch(entry_id, fields, reclaimed=False) and pending:
+                            acks.append(_s(entry_id))
+                finally:
+                    if acks:
+                        await self.ack(*acks)
             except ResponseError as e:
                 if "NOGROUP" in str(e):
                     log.warning("stream_group_missing", stream=self.stream, group=self.group)
@@ -179,25 +186,32 @@ class StreamConsumer:
             deleted = res[2] if len(res) > 2 else []
             for d in deleted:
                 log.error("stream_pending_entry_deleted", stream=self.stream, entry_id=_s(d))
-            for entry_id, fields in entries:
-                n += 1
-                await self._dispatch(entry_id, fields, reclaimed=True)
+            acks: list[str] = []
+            try:
+                for entry_id, fields in entries:
+                    n += 1
+                    if await self._dispatch(entry_id, fields, reclaimed=True):
+                        acks.append(_s(entry_id))
+            finally:
+                if acks:
+                    await self.ack(*acks)
             if _s(cursor) == "0-0" or not entries:
                 return n
 
     # ------------------------------------------------------------ internals
-    async def _dispatch(self, entry_id: Any, fields: dict, *, reclaimed: bool, pending: bool = True) -> None:
+    async def _dispatch(self, entry_id: Any, fields: dict, *, reclaimed: bool) -> bool:
+        """Handle one entry; True when the caller should ack it (handled, and the handler did not defer)."""
         eid = _s(entry_id)
         raw = entry_payload(fields)
         if raw is None:
             # an entry trimmed away while pending, or written without our fields
             await self._dead(eid, raw, "entry has no payload field")
-            return
+            return False
         try:
             msg = decode(raw, self.types)
         except DecodeError as e:
             await self._dead(eid, raw, f"undecodable: {e}")
-            return
+            return False
         delivery = Delivery(self.stream, eid, msg, reclaimed)
         for attempt in range(1, self.max_deliveries + 1):
             try:
@@ -210,11 +224,10 @@ class StreamConsumer:
                               msg_type=type(msg).__name__)
                 if attempt == self.max_deliveries:
                     await self._dead(eid, raw, f"handler failed {attempt} times: {e!r}")
-                    return
+                    return False
                 await asyncio.sleep(0.02 * 2**attempt)
         self.handled += 1
-        if result != DEFER and pending:
-            await self.ack(eid)
+        return result != DEFER
 
     async def _dead(self, entry_id: str, raw: bytes | None, reason: str) -> None:
         self.dead_lettered += 1
@@ -270,6 +283,14 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+async def pace(stop: asyncio.Event, started: float, min_interval_s: float) -> None:
+    """Wait until ``min_interval_s`` after ``started`` (a ``time.monotonic()`` reading), or until ``stop``: spaces
+    out the reads of a follower loop so that a burst of entries is taken in a few reads."""
+    left = started + min_interval_s - time.monotonic()
+    if left > 0 and not stop.is_set():
+        await _sleep(stop, left)
 
 
 async def _sleep(stop: asyncio.Event, seconds: float) -> None:

@@ -77,9 +77,12 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
         try:
             if hook is not None:
                 hook.started(launcher, policy, scale)
+            cpu0 = launcher.cpu_seconds(client=True)
             summary = run_replay(args.workload, launcher.gateway_url, str(Path(tmp) / "replay"), tenants_file=tenants,
                                  rate_scale=scale, duration_s=args.duration_s, progress=False,
                                  timeout_s=getattr(args, "request_timeout_s", 120.0))
+            cpu = {k: round(v - cpu0[k], 3) for k, v in launcher.cpu_seconds(client=True).items()
+                   if k in cpu0}
             leases = _scheduler_leases(launcher.redis_url, "bench:")
             if hook is not None:
                 hook.finished(launcher, policy, scale, summary)
@@ -87,7 +90,7 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
             launcher.stop(drain_s=10)
     return {"tokens_per_s": summary["tokens_per_s"], "violation_rate": summary["violation_rate"],
             "wall_s": time.perf_counter() - t0, "leases": leases, "fidelity": fidelity,
-            "requests": summary.get("total", {}).get("requests")}
+            "requests": summary.get("total", {}).get("requests"), "cpu_s": cpu}
 
 
 def run_emulated_point(args: argparse.Namespace, policy: str, scale: float) -> dict[str, Any]:

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCH: dict[str, tuple[str, str]] = {
     "overhead": ("services.cli.bench_overhead", "per-token time through the mesh vs in-process decode"),
+    "cpu": ("services.cli.bench_cpu", "CPU per request of each mesh process at a steady load"),
     "accuracy": ("services.cli.bench_accuracy", "simulator error against the real CPU mesh"),
     "compare": ("services.cli.bench_compare", "max sustainable throughput per policy, side by side"),
     "decisions": ("services.cli.bench_decisions", "scheduling decision latency against Redis"),

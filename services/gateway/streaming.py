@@ -76,6 +76,8 @@ class _Progress:
 
 async def _next_event(ctx: RequestContext, pending: PendingRequest,
                       send_cancel: SendCancel) -> TokenChunk | RequestError:
+    if not pending.queue.empty():  # already routed: no timeout task to set up (the usual case under load)
+        return pending.queue.get_nowait()
     try:
         return await asyncio.wait_for(pending.queue.get(), timeout=ctx.idle_timeout_s)
     except asyncio.TimeoutError:
@@ -127,26 +129,35 @@ async def _stream(request: web.Request, ctx: RequestContext, pending: PendingReq
     progress = _Progress(ctx)
     try:
         await resp.prepare(request)
-        for ev in shaper.start():
-            await resp.write(ev)
+        # Events already routed to this request go out in one write (each token is still its own SSE event):
+        # the start event with the first token, the finish/usage/[DONE] events with the last, and every token
+        # that queued up while the gateway was busy. One write is one system call; a token is never held back.
+        out: list[bytes] = shaper.start()
         ev: TokenChunk | RequestError = first
         while True:
             if isinstance(ev, RequestError):
+                if out:
+                    await resp.write(b"".join(out))
                 err = error_from_mesh(ev.status, ev.code, ev.message, ev.retryable)
                 await _stream_error(request, resp, err, metrics, ctx)
                 return resp
             progress.add(ev)
             if ev.text or ev.token_ids:  # one chunk per generated token (text may be empty: partial UTF-8)
-                await resp.write(shaper.delta(ev.text))
+                out.append(shaper.delta(ev.text))
             if ev.finish_reason is not None:
                 break
+            if pending.queue.empty() and out:
+                await resp.write(b"".join(out))
+                out = []
             try:
                 ev = await _next_event(ctx, pending, send_cancel)
             except ApiError as err:
+                if out:
+                    await resp.write(b"".join(out))
                 await _stream_error(request, resp, err, metrics, ctx)
                 return resp
-        for chunk in shaper.finish(progress.finish, ctx.prompt_tokens, progress.completion_tokens):
-            await resp.write(chunk)
+        out.extend(shaper.finish(progress.finish, ctx.prompt_tokens, progress.completion_tokens))
+        await resp.write(b"".join(out))
         progress.record(metrics, request)
         await resp.write_eof()
     except ConnectionError:  # the client went away while we were writing
@@ -163,6 +174,5 @@ async def _stream_error(request: web.Request, resp: web.StreamResponse, err: Api
     metrics.outcome(ctx.tenant.name, err.outcome)
     request[OUTCOME_RECORDED] = True
     log.warning("request_failed_mid_stream", status=err.status, code=err.code)
-    for chunk in StreamShaper.error(err):
-        await resp.write(chunk)
+    await resp.write(b"".join(StreamShaper.error(err)))
     await resp.write_eof()

@@ -17,7 +17,7 @@ from shared.messages import (GROUP_SIMULATOR, EventsMsg, InferenceRequest, Reque
                              sim_rates_key, sim_reply_stream, sim_rpc_stream)
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
 from shared.service import ServiceShell, run_tasks
-from shared.streams import ACK, Delivery, StreamConsumer, StreamProducer, entry_payload
+from shared.streams import ACK, Delivery, StreamConsumer, StreamProducer, entry_payload, pace
 from services.simulator.core import SimulatorCore
 from services.simulator.evaluate import TwinView
 from services.simulator.forecast import forecast_device
@@ -28,6 +28,9 @@ REPLY_MAXLEN = 1000
 FORECAST_TTL_S = 10
 STEP_GAP_S = 0.001  # pause between the per-device steps of a refresh or publish, so a what-if query waits < 1 step
 PUBLISH_CHUNK = 8  # devices per forecast-publish pipeline
+# the GMG changes and the requests stream are read at most this often (a full read goes on at once): the twin is
+# rebuilt at most every refresh_interval_s anyway, and one round trip per change cost a busy mesh's CPU
+FOLLOW_INTERVAL_S = 0.05
 
 
 class SimulatorService:
@@ -41,7 +44,8 @@ class SimulatorService:
         self.redis = command_client(settings.redis_url, name=f"{name}-cmd")
         self._blocking = [blocking_client(settings.redis_url, block_ms=1000, name=f"{name}-{x}")
                           for x in ("gmg", "req", "ev", "rpc")]
-        self.follower = GMGFollower(self.redis, self.p, blocking=self._blocking[0], block_ms=1000)
+        self.follower = GMGFollower(self.redis, self.p, blocking=self._blocking[0], block_ms=1000,
+                                    min_interval_s=FOLLOW_INTERVAL_S)
         self.core = SimulatorCore(cluster, tenants)
         self.producer = StreamProducer(self.redis)
         self.shell = ServiceShell("simulator", name, prefix=self.p, redis=self.redis)
@@ -192,8 +196,11 @@ class SimulatorService:
         client = self._blocking[1]
         while not self.shell.stop.is_set():
             try:
+                started = time.monotonic()
                 resp = await client.xread({requests_stream(self.p): self._req_pos}, count=500, block=1000)
                 self._take_requests(resp)
+                if sum(len(entries) for _s, entries in resp or []) < 500:
+                    await pace(self.shell.stop, started, FOLLOW_INTERVAL_S)
             except REDIS_ERRORS as e:
                 log.warning("sim_requests_read_error", error=repr(e))
                 await _sleep(self.shell.stop, 0.5)

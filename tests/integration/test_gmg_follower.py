@@ -92,3 +92,30 @@ async def test_change_stream_epochs_contiguous_under_concurrency(redis_url, redi
     await follower.catch_up()
     mirror, _, _ = await read_mirror(redis, store.keys)
     assert follower.reloads == 1 and follower.mirror == mirror
+
+
+async def test_paced_follower_takes_a_burst_of_changes_in_few_reads(redis, prefix):
+    store = GMGStore(redis, prefix)
+    await store.register_cluster(CLUSTER, TENANTS)
+    f = GMGFollower(redis, prefix, block_ms=100, min_interval_s=0.25)
+    await f.load()
+    polls = 0
+    orig = f.poll
+
+    async def counting_poll(*a, **kw):
+        nonlocal polls
+        polls += 1
+        return await orig(*a, **kw)
+
+    f.poll = counting_poll
+    stop = asyncio.Event()
+    task = asyncio.create_task(f.run(stop))
+    for i in range(10):  # one change every 20 ms: unpaced, about one read each
+        await store.reserve([Reservation("d0", f"kv:{i}", "kv", "a", 100 + i)])
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.4)
+    stop.set()
+    await task
+    mirror, epoch, _ = await read_mirror(redis, store.keys)
+    assert f.epoch == epoch and f.mirror == mirror  # nothing missed
+    assert polls <= 4

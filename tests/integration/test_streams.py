@@ -140,9 +140,9 @@ async def test_noack_consumer_leaves_nothing_pending_and_acks_old_pending(redis,
     c = _consumer(redis, redis_url, prefix, "A", handler, noack=True)
     orig_ack = c.ack
 
-    async def counting_ack(entry_id):
-        acks.append(entry_id)
-        await orig_ack(entry_id)
+    async def counting_ack(*entry_ids):
+        acks.extend(entry_ids)
+        await orig_ack(*entry_ids)
 
     c.ack = counting_ack
     stop = asyncio.Event()
@@ -157,5 +157,41 @@ async def test_noack_consumer_leaves_nothing_pending_and_acks_old_pending(redis,
     await task
     assert seen == ["r0", "r1", "r2", "r3"]
     assert len(acks) == 1  # only the entry that was already pending: NOACK reads cost no XACK
+    assert (await redis.xpending(stream, "g"))["pending"] == 0
+    await c.blocking.aclose()
+
+
+async def test_one_xack_per_read_batch_and_deferred_entries_stay_pending(redis, redis_url, prefix):
+    stream = requests_stream(prefix)
+    prod = StreamProducer(redis)
+    for i in range(6):
+        await prod.add(stream, _req(i))
+    seen, calls = [], []
+
+    async def handler(d):
+        seen.append(d.msg.request_id)
+        return "defer" if d.msg.request_id == "r3" else ACK
+
+    c = _consumer(redis, redis_url, prefix, "A", handler)
+    orig_ack = c.ack
+
+    async def recording_ack(*entry_ids):
+        calls.append(entry_ids)
+        await orig_ack(*entry_ids)
+
+    c.ack = recording_ack
+    stop = asyncio.Event()
+    task = asyncio.create_task(c.run(stop))
+    for _ in range(100):
+        if len(seen) == 6 and calls:
+            break
+        await asyncio.sleep(0.02)
+    stop.set()
+    await task
+    assert seen == [f"r{i}" for i in range(6)]
+    assert len(calls) == 1 and len(calls[0]) == 5  # the five acked entries of the one read, in one XACK
+    pending = await redis.xpending_range(stream, "g", min="-", max="+", count=10)
+    assert len(pending) == 1  # the deferred entry waits for its owner's ack
+    await c.ack(pending[0]["message_id"].decode())
     assert (await redis.xpending(stream, "g"))["pending"] == 0
     await c.blocking.aclose()

@@ -4,7 +4,9 @@ Starts the mesh (a private Redis, every service, the cluster's workers), measure
 (user + system, all threads, from ``/proc``) over ``--idle-s`` seconds with no traffic and then over a replay of
 synthetic Poisson traffic through the gateway (the accuracy bench's calibration generator: every tenant at
 ``--rate`` requests/s, prompts of 16–256 and outputs of 8–64 tokens, fixed seed). Per process it reports the
-CPU used under load, the part above its idle use, and that part per request and per output token. The workers'
+CPU used under load, the part above its idle use, and that part per request and per output token; and the
+Redis commands per request by command (``INFO commandstats``, a steadier figure than CPU time on a shared
+machine). The workers'
 share includes the model compute; the gateway, scheduler, simulator, GMG service and Redis are the control
 plane's cost of serving requests; the load generator runs in this process and is reported as ``client``.
 """
@@ -103,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(1.0)
             a, t0 = launcher.cpu_seconds(client=True), time.monotonic()
             time.sleep(args.idle_s)
-            b, t1 = launcher.cpu_seconds(client=True), time.monotonic()
+            b, t1, cmds0 = launcher.cpu_seconds(client=True), time.monotonic(), command_counts(launcher.redis_url)
             records, _ = replay_requests(launcher.gateway_url, reqs, tenants, tenants_file, 120.0)
-            c, t2 = launcher.cpu_seconds(client=True), time.monotonic()
+            c, t2, cmds1 = launcher.cpu_seconds(client=True), time.monotonic(), command_counts(launcher.redis_url)
             loadavg = os.getloadavg()[0]
         finally:
             launcher.stop(drain_s=10)
@@ -120,11 +122,26 @@ def run(args: argparse.Namespace) -> int:
         "requests": len(records), "ok": len(ok), "output_tokens": out_tokens,
         "prompt_tokens": sum(r.input_tokens for r in ok), "load_wall_s": t2 - t1, "idle_wall_s": t1 - t0,
         "processes": rows, "totals": totals(rows), "loadavg_1m_end": loadavg,
+        "redis_commands_per_request": {k: round((v - cmds0.get(k, 0)) / max(1, len(ok)), 2)
+                                       for k, v in sorted(cmds1.items(), key=lambda kv: -(kv[1] - cmds0.get(kv[0], 0)))
+                                       if v > cmds0.get(k, 0)},
         "machine": f"{os.cpu_count()}-core {os.uname().machine}", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print_report(res)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=2))
     return 0 if ok else 1
+
+
+def command_counts(redis_url: str) -> dict[str, int]:
+    """Calls per Redis command so far (``INFO commandstats``; commands that Lua scripts run are counted too)."""
+    import redis as syncredis
+
+    r = syncredis.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        stats = r.info("commandstats")
+    finally:
+        r.close()
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
 
 
 def print_report(res: dict[str, Any]) -> None:
@@ -136,3 +153,6 @@ def print_report(res: dict[str, Any]) -> None:
     for name, r in rows + [(f"**{k}**", v) for k, v in sorted(res["totals"].items())]:
         print(f"| {name} | {r['cpu_s']:.2f} | {r['cores']:.3f} | {r['idle_cores']:.3f} | {r['ms_per_request']:.2f} "
               f"| {r['us_per_output_token']:.0f} |")
+    cmds = res["redis_commands_per_request"]
+    print(f"Redis commands per request: {sum(cmds.values()):.1f} ("
+          + ", ".join(f"{k} {v:g}" for k, v in list(cmds.items())[:8]) + ")")

@@ -23,3 +23,5 @@ def test_cpu_bench_reports_every_process_of_the_mesh(tmp_path):
     assert set(res["totals"]) == {"workers", "control plane", "client"}
     cp = sum(p["cpu_s"] for n, p in procs.items() if n in ("gateway", "scheduler-0", "simulator", "gmg", "redis"))
     assert res["totals"]["control plane"]["cpu_s"] == pytest.approx(cp)
+    cmds = res["redis_commands_per_request"]
+    assert cmds["xadd"] > 1 and cmds["xreadgroup"] > 0  # requests in, tokens out, through the streams

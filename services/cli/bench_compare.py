@@ -225,7 +225,7 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
             r = turns.run(policy, lambda: point(args, policy, scale)) if turns else point(args, policy, scale)
             with lock:
                 log.append({"policy": policy, "scale": scale, **{k: r[k] for k in ("tokens_per_s", "violation_rate",
-                                                                                     "wall_s") if k in r}})
+                                                                                     "wall_s", "cpu_s") if k in r}})
                 print(f"  {policy:18s} scale {scale:8.3f}: violations {r['violation_rate'] * 100:6.2f}%  "
                       f"{r['tokens_per_s']:10.1f} tok/s", file=sys.stderr, flush=True)
             return r

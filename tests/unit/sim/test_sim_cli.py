@@ -186,7 +186,8 @@ def test_confirmed_search_replays_the_boundary_and_drops_a_lucky_pass(monkeypatc
         n = calls[scale] = calls.get(scale, 0) + 1
         lucky = 4.0 < scale <= 5.0 and n == 1  # passes the first time only
         ok = scale <= 4.0 or lucky
-        return {"tokens_per_s": 10.0 * scale + n, "violation_rate": 0.0 if ok else 0.5}
+        return {"tokens_per_s": 10.0 * scale + n, "violation_rate": 0.0 if ok else 0.5,
+                "cpu_s": {"gateway": scale, "cpu0": 2 * scale}}
 
     monkeypatch.setattr(bench_compare, "_runner", lambda fidelity: point)
     base = dict(start_scale=1.0, tolerance=0.05, max_scale=64.0, jobs=1, workload="w.yaml", cluster="c.yaml",
@@ -202,6 +203,7 @@ def test_confirmed_search_replays_the_boundary_and_drops_a_lucky_pass(monkeypatc
     assert calls[s] == 2
     assert r["tokens_per_s_9"] == pytest.approx(10.0 * s + 1.5)  # mean of the two replays
     assert len([x for x in res["runs"] if x["scale"] == s]) == 2  # both replays are in the log
+    assert all(x["cpu_s"] == {"gateway": x["scale"], "cpu0": 2 * x["scale"]} for x in res["runs"])  # mesh CPU kept
     assert bench_compare.confirm_of(argparse.Namespace(fidelity="sim")) == 1
 
 

@@ -36,6 +36,27 @@ def _consumer(redis, url, prefix, name, handler, **kw):
                           dead_stream=dead_stream(prefix), block_ms=200, **kw)
 
 
+async def _fill(redis, prefix: str, n: int) -> str:
+    """The requests stream with requests r0 .. r{n-1} in it."""
+    stream, prod = requests_stream(prefix), StreamProducer(redis)
+    for i in range(n):
+        await prod.add(stream, _req(i))
+    return stream
+
+
+def _record_acks(c: StreamConsumer) -> list[tuple[str, ...]]:
+    """Wrap ``c.ack``: the returned list gets the entry ids of every XACK the consumer sends."""
+    calls: list[tuple[str, ...]] = []
+    orig = c.ack
+
+    async def recording_ack(*entry_ids: str) -> None:
+        calls.append(entry_ids)
+        await orig(*entry_ids)
+
+    c.ack = recording_ack
+    return calls
+
+
 async def test_dead_consumer_entries_are_reclaimed(redis, redis_url, prefix):
     prod = StreamProducer(redis)
     stream = requests_stream(prefix)
@@ -90,10 +111,7 @@ async def test_poison_and_failing_entries_go_to_dead_letter(redis, redis_url, pr
 
 
 async def test_restart_rereads_own_pending_first(redis, redis_url, prefix):
-    stream = requests_stream(prefix)
-    prod = StreamProducer(redis)
-    for i in range(5):
-        await prod.add(stream, _req(i))
+    stream = await _fill(redis, prefix, 5)
     seen = []
 
     async def handler(d):
@@ -131,20 +149,14 @@ async def test_noack_consumer_leaves_nothing_pending_and_acks_old_pending(redis,
     await a.xreadgroup("g", "A", {stream: ">"}, count=10)
     await a.aclose()
     assert (await redis.xpending(stream, "g"))["pending"] == 1
-    seen, acks = [], []
+    seen = []
 
     async def handler(d):
         seen.append(d.msg.request_id)
         return ACK
 
     c = _consumer(redis, redis_url, prefix, "A", handler, noack=True)
-    orig_ack = c.ack
-
-    async def counting_ack(*entry_ids):
-        acks.extend(entry_ids)
-        await orig_ack(*entry_ids)
-
-    c.ack = counting_ack
+    calls = _record_acks(c)
     stop = asyncio.Event()
     task = asyncio.create_task(c.run(stop))
     for i in range(1, 4):
@@ -156,30 +168,21 @@ async def test_noack_consumer_leaves_nothing_pending_and_acks_old_pending(redis,
     stop.set()
     await task
     assert seen == ["r0", "r1", "r2", "r3"]
-    assert len(acks) == 1  # only the entry that was already pending: NOACK reads cost no XACK
+    assert sum(len(x) for x in calls) == 1  # only the entry that was already pending: NOACK reads cost no XACK
     assert (await redis.xpending(stream, "g"))["pending"] == 0
     await c.blocking.aclose()
 
 
 async def test_one_xack_per_read_batch_and_deferred_entries_stay_pending(redis, redis_url, prefix):
-    stream = requests_stream(prefix)
-    prod = StreamProducer(redis)
-    for i in range(6):
-        await prod.add(stream, _req(i))
-    seen, calls = [], []
+    stream = await _fill(redis, prefix, 6)
+    seen = []
 
     async def handler(d):
         seen.append(d.msg.request_id)
         return "defer" if d.msg.request_id == "r3" else ACK
 
     c = _consumer(redis, redis_url, prefix, "A", handler)
-    orig_ack = c.ack
-
-    async def recording_ack(*entry_ids):
-        calls.append(entry_ids)
-        await orig_ack(*entry_ids)
-
-    c.ack = recording_ack
+    calls = _record_acks(c)
     stop = asyncio.Event()
     task = asyncio.create_task(c.run(stop))
     for _ in range(100):

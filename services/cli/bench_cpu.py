@@ -6,9 +6,9 @@ synthetic Poisson traffic through the gateway (the accuracy bench's calibration 
 ``--rate`` requests/s, prompts of 16–256 and outputs of 8–64 tokens, fixed seed). Per process it reports the
 CPU used under load, the part above its idle use, and that part per request and per output token; and the
 Redis commands per request by command (``INFO commandstats``, a steadier figure than CPU time on a shared
-machine). The workers'
-share includes the model compute; the gateway, scheduler, simulator, GMG service and Redis are the control
-plane's cost of serving requests; the load generator runs in this process and is reported as ``client``.
+machine). The workers' share includes the model compute; the gateway, scheduler, simulator, GMG service and
+Redis are the control plane's cost of serving requests; the load generator runs in this process and is reported
+as ``client``.
 """
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         "redis_commands_per_request": {k: round((v - cmds0.get(k, 0)) / max(1, len(ok)), 2)
                                        for k, v in sorted(cmds1.items(), key=lambda kv: -(kv[1] - cmds0.get(kv[0], 0)))
                                        if v > cmds0.get(k, 0)},
-        "machine": f"{os.cpu_count()}-core {os.uname().machine}", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        "machine": f"{os.cpu_count()}-core {os.uname().machine}",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print_report(res)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=2))

@@ -148,7 +148,8 @@ def command_counts(redis_url: str) -> dict[str, int]:
 def print_report(res: dict[str, Any]) -> None:
     print(f"{res['ok']}/{res['requests']} requests ok, {res['output_tokens']} output tokens in "
           f"{res['load_wall_s']:.1f} s (policy {res['policy']}, {res['rate_per_tenant']:g} req/s per tenant)")
-    print("| process | CPU s under load | cores | idle cores | CPU above idle per request (ms) | per output token (µs) |")
+    print("| process | CPU s under load | cores | idle cores | CPU above idle per request (ms) "
+          "| per output token (µs) |")
     print("|---|---:|---:|---:|---:|---:|")
     rows = sorted(res["processes"].items(), key=lambda kv: (_role(kv[0]), kv[0]))
     for name, r in rows + [(f"**{k}**", v) for k, v in sorted(res["totals"].items())]:

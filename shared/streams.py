@@ -135,16 +135,7 @@ class StreamConsumer:
                     if entries:
                         cursor = _s(entries[-1][0])
                     entries = [(i, f) for i, f in entries if f]  # trimmed-while-pending entries have no fields
-                acks: list[str] = []  # one XACK for the batch: a round trip per read, not per entry
-                try:
-                    for entry_id, fields in entries:
-                        if stop.is_set():
-                            break
-                        if await self._dispatch(entry_id, fields, reclaimed=False) and pending:
-                            acks.append(_s(entry_id))
-                finally:
-                    if acks:
-                        await self.ack(*acks)
+                await self._dispatch_batch(entries, reclaimed=False, ack=pending, stop=stop)
             except ResponseError as e:
                 if "NOGROUP" in str(e):
                     log.warning("stream_group_missing", stream=self.stream, group=self.group)
@@ -186,19 +177,27 @@ class StreamConsumer:
             deleted = res[2] if len(res) > 2 else []
             for d in deleted:
                 log.error("stream_pending_entry_deleted", stream=self.stream, entry_id=_s(d))
-            acks: list[str] = []
-            try:
-                for entry_id, fields in entries:
-                    n += 1
-                    if await self._dispatch(entry_id, fields, reclaimed=True):
-                        acks.append(_s(entry_id))
-            finally:
-                if acks:
-                    await self.ack(*acks)
+            n += len(entries)
+            await self._dispatch_batch(entries, reclaimed=True, ack=True)
             if _s(cursor) == "0-0" or not entries:
                 return n
 
     # ------------------------------------------------------------ internals
+    async def _dispatch_batch(self, entries: list, *, reclaimed: bool, ack: bool,
+                              stop: asyncio.Event | None = None) -> None:
+        """Handle one read's entries in order (until ``stop``), then ack the handled ones with one XACK: a round
+        trip per read, not per entry. ``ack`` False: entries read with NOACK, nothing to ack."""
+        acks: list[str] = []
+        try:
+            for entry_id, fields in entries:
+                if stop is not None and stop.is_set():
+                    break
+                if await self._dispatch(entry_id, fields, reclaimed=reclaimed) and ack:
+                    acks.append(_s(entry_id))
+        finally:
+            if acks:
+                await self.ack(*acks)
+
     async def _dispatch(self, entry_id: Any, fields: dict, *, reclaimed: bool) -> bool:
         """Handle one entry; True when the caller should ack it (handled, and the handler did not defer)."""
         eid = _s(entry_id)

@@ -22,6 +22,12 @@ from shared.policies.container import container_placement
 from shared.policies.snapshot import ClusterSnapshot, DeviceState
 
 
+# A share bound by the guest's SLA is offered a hair inside it: the what-if checks the same latency with ``>``, and
+# a share exactly on the bound can come back a rounding error over it (87.20000000000002 > 87.2 ms refused the best
+# guests of bursts).
+SHARE_EPS = 1e-6
+
+
 @dataclass(frozen=True)
 class SliceConfig(PolicyConfig):
     """Parameters (docs/policies.md)."""
@@ -345,7 +351,7 @@ class SlicePolicy(Policy):
         stretch0 = 1.0 - g.guest_share
         limit = min(1.0 - ttft0 * stretch0 / (cfg.guest_margin * sla.ttft_ms / 1e3),
                     1.0 - tpot0 * stretch0 / (cfg.guest_margin * sla.tpot_ms / 1e3))
-        return max(0.0, min(room, limit - g.guest_share))
+        return max(0.0, min(room, limit - g.guest_share - SHARE_EPS))
 
     def _guests(self, d: DeviceState, snapshot: ClusterSnapshot, exclude: set[str]) -> list[DeviceState]:
         """Bounded candidate set: idle first, then least loaded, most free memory, same host first."""

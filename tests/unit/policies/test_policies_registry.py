@@ -198,3 +198,36 @@ def test_policy_params_merge_and_containers():
     assert policy_params("slice", None, None, "sized") == {}
     with pytest.raises(ValueError, match="containers must be one of"):
         policy_params("slice", None, None, "all")
+
+
+def test_slice_share_for_a_guest_passes_the_what_ifs_own_check_on_that_guest():
+    """The share ``slice`` offers a busy guest is the largest its own tenant can spare (its predicted TTFT/TPOT
+    stay under ``guest_margin`` × SLA); the what-if checks the same latency with that share and must not refuse
+    it. A share exactly on the bound came back a rounding error over it (87.20000000000002 > 87.2 ms) and the
+    best guests of a burst were refused. Nor may the guest's promised time go past 0.95."""
+    from shared.config import SLA
+    from shared.model.config import PRESETS
+    from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
+    from shared.sim.whatif import WhatIf
+
+    pol = make_policy("slice")
+    whatif = WhatIf()
+    rng = random.Random(7)
+    bound = 0  # cases where the guest's SLA, not share_max, set the share
+    for _ in range(400):
+        ten = TenantState("g", PRESETS["llama-7b"], SLA(ttft_ms=rng.uniform(60, 400), tpot_ms=rng.uniform(20, 80)),
+                          ["d1"], mean_input=rng.choice([128, 700, 1046, 2048]), mean_output=rng.choice([16, 90, 300]))
+        g = DeviceState("d1", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="g", tenants=["g"], busy=True,
+                        running=rng.randint(0, 40), queued_prefill_tokens=rng.choice([0, 0, 512, 3000]),
+                        decode_kv_tokens=rng.randint(0, 60_000),
+                        guest_share=rng.choice([0.0, 0.05, 0.2, 0.45, 0.37 + rng.random() / 10]))
+        snap = ClusterSnapshot(now=1.0, devices={"d1": g}, tenants={"g": ten})
+        share = pol._share_for(g, snap, whatif)
+        assert g.guest_share + share <= 0.95  # the what-if and the lease book refuse more ("share")
+        if share < 0.05 or share >= min(pol.cfg.share_max, 0.95 - g.guest_share) - 1e-9:
+            continue
+        bound += 1
+        breaks: list[str] = []
+        whatif._guest_side(snap, g, share, 1.0, breaks)
+        assert "guest_ttft" not in breaks and "guest_tpot" not in breaks, (share, breaks)
+    assert bound >= 20  # the sweep reaches the bound often enough to mean something

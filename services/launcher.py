@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis as syncredis
 
-from shared.config import ClusterConfig
+from shared.config import DEFAULT_POLICY, ClusterConfig
 from shared.procutil import RedisServer, free_port
 from shared.service import health_key
 
@@ -74,7 +74,7 @@ class Launcher:
 
     def __init__(self, cluster: ClusterConfig, *, cluster_file: str, tenants_file: str, data_dir: Path,
                  gateway_host: str = "127.0.0.1", gateway_port: int = 8000, prefix: str = "slicesched:",
-                 policy: str = "container", redis_url: str | None = None, log_format: str = "json",
+                 policy: str = DEFAULT_POLICY, redis_url: str | None = None, log_format: str = "json",
                  extra_env: dict[str, str] | None = None, out=sys.stdout) -> None:
         self.cluster, self.data_dir, self.prefix = cluster, data_dir, prefix
         self.cluster_file, self.tenants_file = cluster_file, tenants_file

@@ -6,6 +6,7 @@ command-line entry points turn it into a one-line message and exit code 2.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,12 +23,42 @@ LINK_KINDS = ("shm", "tcp", "cuda_ipc", "nccl", "nvlink", "pcie")
 GIB = 1024**3
 
 
+# The live scheduler's policy unless ``--policy`` / ``SLICESCHED_POLICY`` names another (docs/policies.md).
+DEFAULT_POLICY = "slice"
+
+
 class ConfigError(ValueError):
     """A configuration problem: ``file: field: what is wrong``."""
 
     def __init__(self, file: str | Path, field_path: str, problem: str) -> None:
         self.file, self.field_path, self.problem = str(file), field_path, problem
         super().__init__(f"{file}: {field_path}: {problem}")
+
+
+def env_number(name: str, default: float, kind: type = float, *, minimum: float | None = None,
+               above: float | None = None, maximum: float | None = None, env: Any = None) -> Any:
+    """The number in environment variable ``name`` (``default`` when unset or empty), as ``kind`` (int or float).
+
+    A value that is not a finite number of that kind, or outside the bounds (``minimum`` ≤ v, ``above`` < v,
+    v ≤ ``maximum``), raises :class:`ConfigError` naming the variable — never a bare ``ValueError`` traceback."""
+    e = os.environ if env is None else env
+    raw = e.get(name)
+    if raw is None or str(raw).strip() == "":
+        return kind(default)
+    what = "an integer" if kind is int else "a number"
+    try:
+        v = kind(str(raw).strip())
+    except ValueError:
+        raise ConfigError("environment", name, f"expected {what}, got {raw!r}") from None
+    if kind is float and not math.isfinite(v):
+        raise ConfigError("environment", name, f"expected a finite number, got {raw!r}")
+    if minimum is not None and v < minimum:
+        raise ConfigError("environment", name, f"must be >= {minimum:g}, got {raw!r}")
+    if above is not None and not v > above:
+        raise ConfigError("environment", name, f"must be > {above:g}, got {raw!r}")
+    if maximum is not None and v > maximum:
+        raise ConfigError("environment", name, f"must be <= {maximum:g}, got {raw!r}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -354,11 +385,9 @@ class Settings:
         url = e.get("REDIS_URL", "")
         if not url:
             raise ConfigError("environment", "REDIS_URL", "not set (the launcher sets it; or export REDIS_URL)")
-        try:
-            port = int(e.get("SLICESCHED_GATEWAY_PORT", "8000"))
-            mport = int(e.get("SLICESCHED_METRICS_PORT", "0"))
-        except ValueError as ex:
-            raise ConfigError("environment", "SLICESCHED_GATEWAY_PORT", str(ex)) from None
+        env_number("SLICESCHED_DRAIN_S", 20.0, float, minimum=0, env=e)  # read by every service's shell
+        port = env_number("SLICESCHED_GATEWAY_PORT", 8000, int, minimum=0, maximum=65535, env=e)
+        mport = env_number("SLICESCHED_METRICS_PORT", 0, int, minimum=0, maximum=65535, env=e)
         gw_host = e.get("SLICESCHED_GATEWAY_HOST", "127.0.0.1")
         metrics_host = e.get("SLICESCHED_METRICS_HOST") or (
             "127.0.0.1" if gw_host in ("127.0.0.1", "localhost", "::1") else gw_host)

@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from shared.config import env_number
 from shared.redis_util import REDIS_ERRORS
 
 log = structlog.get_logger()
@@ -43,11 +44,12 @@ class ServiceShell:
     """Owns the stop event, signal handlers, the health key and the /health + /metrics endpoint."""
 
     def __init__(self, service: str, name: str, *, prefix: str, redis, registry: CollectorRegistry | None = None,
-                 drain_s: float = float(os.environ.get("SLICESCHED_DRAIN_S", "20")), health_ttl_s: int = 5) -> None:
+                 drain_s: float | None = None, health_ttl_s: int = 5) -> None:
         self.service, self.name, self.prefix, self.redis = service, name, prefix, redis
         self.registry = registry or CollectorRegistry()
         self.stop = asyncio.Event()
-        self.drain_s = drain_s
+        # SLICESCHED_DRAIN_S is validated by Settings.from_env when the service starts
+        self.drain_s = env_number("SLICESCHED_DRAIN_S", 20.0, float, minimum=0) if drain_s is None else drain_s
         self.health_ttl_s = health_ttl_s
         self.started_ts = time.time()
         self.ready = False

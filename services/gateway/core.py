@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from shared.config import ConfigError, TenantConfig, TenantsConfig, hash_api_key
+from shared.config import ConfigError, TenantConfig, TenantsConfig, env_number, hash_api_key
 
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
@@ -40,25 +40,9 @@ class GatewayLimits:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "GatewayLimits":
         def num(name: str, default: float, kind: type) -> Any:
-            raw = env.get(name)
-            if raw is None or raw == "":
-                return kind(default)
-            try:
-                v = kind(raw)
-            except ValueError:
-                raise ConfigError("environment", name, f"expected a {kind.__name__}, got {raw!r}") from None
-            if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
-                raise ConfigError("environment", name, f"must be positive, got {raw!r}")
-            return v
+            return env_number(name, default, kind, above=0, env=env)
 
-        raw_fraction = env.get("SLICESCHED_ADMIT_SLA_FRACTION") or "0.5"
-        try:
-            fraction = float(raw_fraction)
-        except ValueError:
-            fraction = -1.0
-        if not (math.isfinite(fraction) and fraction >= 0):
-            raise ConfigError("environment", "SLICESCHED_ADMIT_SLA_FRACTION",
-                              f"expected a number >= 0 (0 turns the SLA limiter off), got {raw_fraction!r}")
+        fraction = env_number("SLICESCHED_ADMIT_SLA_FRACTION", 0.5, float, minimum=0, env=env)
         return cls(admit_sla_fraction=fraction, max_body_bytes=num("SLICESCHED_MAX_BODY_BYTES", 1024 * 1024, int),
                    max_inflight=num("SLICESCHED_MAX_INFLIGHT", 4096, int),
                    request_idle_timeout_s=num("SLICESCHED_REQUEST_IDLE_TIMEOUT_S", 60.0, float),

@@ -6,13 +6,13 @@ import asyncio
 import os
 import sys
 
-from shared.config import ConfigError, load_runtime
+from shared.config import DEFAULT_POLICY, ConfigError, load_runtime
 from shared.logging import setup_logging
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m services.scheduler")
-    ap.add_argument("--policy", default=os.environ.get("SLICESCHED_POLICY", "container"))
+    ap.add_argument("--policy", default=os.environ.get("SLICESCHED_POLICY") or DEFAULT_POLICY)
     args = ap.parse_args()
     try:
         settings, cluster, tenants = load_runtime()

@@ -6,8 +6,15 @@ import asyncio
 import os
 import sys
 
-from shared.config import ConfigError, Settings, load_cluster, load_tenants
+from shared.config import ConfigError, Settings, env_number, load_cluster, load_tenants
 from shared.logging import setup_logging
+
+
+def engine_knobs(env=None) -> dict:
+    """The engine's settings from the environment (``ConfigError`` naming the variable when one is malformed)."""
+    return {"kv_pool_mb": env_number("SLICESCHED_KV_POOL_MB", 0.0, float, minimum=0, env=env),
+            "max_batch_tokens": env_number("SLICESCHED_MAX_BATCH_TOKENS", 256, int, minimum=1, env=env),
+            "max_running": env_number("SLICESCHED_MAX_RUNNING", 64, int, minimum=1, env=env)}
 
 
 def main() -> int:
@@ -28,6 +35,11 @@ def main() -> int:
         if len(homes) != 1:
             raise ConfigError(tenants.source, "home_devices",
                               f"device {device.id!r} must be home to exactly one tenant, found {len(homes)}")
+        knobs = engine_knobs()
+        from services.worker.leases import LeaseOptions
+        from services.worker.service import worker_env_threads
+        lease_options = LeaseOptions.from_env()
+        worker_env_threads(device)
     except ConfigError as e:
         print(f"worker: config error: {e}", file=sys.stderr)
         return 2
@@ -51,18 +63,10 @@ def main() -> int:
     model, tokenizer = build_model(tenant.model, torch_device)
     cfg = tenant.model.config
     bpb = cfg.kv_bytes_per_token() * 16
-    cap = int(float(os.environ.get("SLICESCHED_KV_POOL_MB", "0")) * 2**20) or None
+    cap = int(knobs["kv_pool_mb"] * 2**20) or None
     blocks = kv_blocks_for_device(device, cluster.headroom_fraction, model.weight_bytes, bpb, cap)
-    engine = Engine(model, tokenizer, kv_blocks=blocks, block_size=16,
-                    max_batch_tokens=int(os.environ.get("SLICESCHED_MAX_BATCH_TOKENS", "256")),
-                    max_running=int(os.environ.get("SLICESCHED_MAX_RUNNING", "64")))
-    from services.worker.leases import LeaseOptions
-
-    try:
-        lease_options = LeaseOptions.from_env()
-    except ValueError as e:
-        print(f"worker: config error: environment: SLICESCHED_SEGMENT_*/SLICESCHED_LEASE_*: {e}", file=sys.stderr)
-        return 2
+    engine = Engine(model, tokenizer, kv_blocks=blocks, block_size=16, max_batch_tokens=knobs["max_batch_tokens"],
+                    max_running=knobs["max_running"])
     from services.worker.lanes import GuestLanes
 
     def lane_engine(t, kv_blocks):  # a guest lane's engine: the tenant's full model, staged from checkpoint/seed

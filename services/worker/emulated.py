@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-from shared.config import ConfigError, Settings, load_cluster, load_tenants
+from shared.config import ConfigError, Settings, env_number, load_cluster, load_tenants
 from shared.costmodel import cost_for
 from shared.logging import setup_logging
 from shared.model.config import ModelConfig
@@ -132,13 +132,13 @@ def main() -> int:
                 raise ConfigError(tenants.source, "home_devices",
                                   f"device {did!r} must be home to exactly one tenant, found {len(homes)}")
             plan.append((dev, homes[0]))
+        scale = env_number("SLICESCHED_EMULATED_TIME_SCALE", 1.0, above=0)
     except ConfigError as e:
         print(f"worker: config error: {e}", file=sys.stderr)
         return 2
     setup_logging("worker", settings.log_format, settings.log_level, device=",".join(ids), backend="emulated")
     from services.worker.service import WorkerService, kv_blocks_for_device
 
-    scale = float(os.environ.get("SLICESCHED_EMULATED_TIME_SCALE", "1.0"))
 
     async def run_all() -> None:
         from services.worker.emulated_leases import EmulatedPeers

@@ -28,7 +28,7 @@ from services.worker.driver import DriverLink, DriverOptions, HomeWeights, Lease
 from services.worker.guest import GuestHost, GuestLease, StagedWeights
 from services.worker.segment_server import SegmentClient, SegmentServer, TensorMover
 from services.worker.segment_wire import FrameError, LeaseStatusQuery, WeightsQuery
-from shared.config import ClusterConfig, ConfigError, DeviceConfig, TenantConfig, TenantsConfig
+from shared.config import ClusterConfig, ConfigError, DeviceConfig, TenantConfig, TenantsConfig, env_number
 from shared.gmg import GMGStore, Refused
 from shared.gmg.leases import LeaseStore
 from shared.messages import LeaseGranted, LeaseRevoked
@@ -57,17 +57,19 @@ class LeaseOptions:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "LeaseOptions":
         """Options from ``SLICESCHED_SEGMENT_*`` / ``SLICESCHED_LEASE_*`` / ``SLICESCHED_GUEST_CACHE_MB``;
-        ``ValueError`` on a malformed number."""
+        :class:`~shared.config.ConfigError` naming the variable on a malformed or out-of-range number."""
         e = os.environ if env is None else env
         d = DriverOptions()
-        drv = DriverOptions(micro_batches=int(e.get("SLICESCHED_LEASE_MICRO_BATCHES", d.micro_batches)),
-                            timeout_factor=float(e.get("SLICESCHED_SEGMENT_TIMEOUT_FACTOR", d.timeout_factor)),
-                            timeout_floor_ms=float(e.get("SLICESCHED_SEGMENT_TIMEOUT_FLOOR_MS", d.timeout_floor_ms)),
-                            cooldown_s=float(e.get("SLICESCHED_SEGMENT_COOLDOWN_S", d.cooldown_s)))
-        return cls(driver=drv, inline_max_bytes=int(e.get("SLICESCHED_SEGMENT_INLINE_MAX", 1 << 20)),
+        drv = DriverOptions(
+            micro_batches=env_number("SLICESCHED_LEASE_MICRO_BATCHES", d.micro_batches, int, minimum=1, env=e),
+            timeout_factor=env_number("SLICESCHED_SEGMENT_TIMEOUT_FACTOR", d.timeout_factor, above=0, env=e),
+            timeout_floor_ms=env_number("SLICESCHED_SEGMENT_TIMEOUT_FLOOR_MS", d.timeout_floor_ms, minimum=0, env=e),
+            cooldown_s=env_number("SLICESCHED_SEGMENT_COOLDOWN_S", d.cooldown_s, minimum=0, env=e))
+        return cls(driver=drv, inline_max_bytes=env_number("SLICESCHED_SEGMENT_INLINE_MAX", 1 << 20, int, minimum=0,
+                                                           env=e),
                    bind_host=e.get("SLICESCHED_SEGMENT_BIND", "127.0.0.1"),
                    advertise_host=e.get("SLICESCHED_SEGMENT_ADVERTISE") or None,
-                   cache_bytes=int(float(e.get("SLICESCHED_GUEST_CACHE_MB", "0")) * 2**20))
+                   cache_bytes=int(env_number("SLICESCHED_GUEST_CACHE_MB", 0.0, minimum=0, env=e) * 2**20))
 
 
 class LeaseAgent:

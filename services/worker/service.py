@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 from prometheus_client import Counter, Gauge
 
-from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig, TenantsConfig
+from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig, TenantsConfig, env_number
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, LeaseGranted, LeaseRevoked, RequestError,
                              RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg, dead_stream, events_stream,
@@ -496,4 +496,5 @@ def lane_kv_blocks(device: DeviceConfig, headroom_fraction: float, home_weight_b
 
 
 def worker_env_threads(device: DeviceConfig) -> int:
-    return int(os.environ.get("SLICESCHED_TORCH_THREADS", device.threads))
+    """Torch threads of a CPU worker: ``SLICESCHED_TORCH_THREADS``, else the device's ``threads``."""
+    return env_number("SLICESCHED_TORCH_THREADS", device.threads, int, minimum=1)

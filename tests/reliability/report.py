@@ -132,7 +132,9 @@ def render(rows: list[dict]) -> str:
         "[operations.md](operations.md#reliability-suite).",
         "",
         f"Machine: 2-core CPU VM, no GPU ({platform.machine()}); mesh: `slicesched up` with the default configs "
-        "(two CPU workers running the tiny model with real torch compute, tenants tiny-a and tiny-b), a private "
+        "and the default policy, `slice` (row 17 pins `container`: it needs requests to wait in the scheduler's "
+        "queue, which `slice` serves on a lane instead), two CPU workers running the tiny model with real torch "
+        "compute, tenants tiny-a and tiny-b, a private "
         "redis-server 7.0 the harness controls. Date: " + ", ".join(dates) + f". Seeds: {seeds}.",
         "",
         "Definitions (RELIABILITY.md): **accepted** = the gateway began streaming / answered 200, or the request "
@@ -203,8 +205,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", action="store_true", help="run the slow reliability suite first")
     ap.add_argument("--results", default=str(RESULTS), help=f"results file (default {RESULTS})")
     ap.add_argument("--out", default=str(DOC), help=f"page to write (default {DOC})")
-    ap.add_argument("pytest_args", nargs="*", help="extra arguments for pytest with --run (e.g. -k row6)")
-    args = ap.parse_args(argv)
+    ap.epilog = "Any other argument goes to pytest with --run, in order (e.g. -k row6, -x)."
+    raw = sys.argv[1:] if argv is None else list(argv)
+    own, rest, i = [], [], 0
+    while i < len(raw):  # this command's options; everything else (-k EXPR, -x, ...) is pytest's, kept in order
+        a = raw[i]
+        if a in ("--run", "-h", "--help"):
+            own.append(a)
+        elif a in ("--results", "--out") and i + 1 < len(raw):
+            own += raw[i:i + 2]
+            i += 1
+        elif a.startswith(("--results=", "--out=")):
+            own.append(a)
+        else:
+            rest.append(a)
+        i += 1
+    args = ap.parse_args(own)
+    if rest and not args.run:
+        ap.error(f"unrecognized arguments: {' '.join(rest)} (pytest arguments need --run)")
+    args.pytest_args = rest
     results = Path(args.results)
     if args.run:
         env = dict(os.environ, SLICESCHED_RELIABILITY_RESULTS=str(results))

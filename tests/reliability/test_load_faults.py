@@ -90,8 +90,21 @@ async def test_row16_overload(rig, factor, seed):
     assert res.rejected > 0 and all(c.status in (200, 429, 503) for c in calls if c.status)
 
 
+@pytest.fixture(scope="module")
+def container_rig(tmp_path_factory):
+    """Row 17 needs requests to wait in the scheduler's queue while their home device's KV is full. Under the
+    default ``slice`` policy the scheduler opens a lane on the other device and serves them there in time (as it
+    should), so this row pins ``container``: what it checks is the queue's deadline handling, not the policy."""
+    r = Rig.start(tmp_path_factory.mktemp("rel-load-container"), env={"SLICESCHED_POLICY": "container"})
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
 @pytest.mark.parametrize("seed", SEEDS)
-async def test_row17_deadline_expires_while_queued(rig, seed):
+async def test_row17_deadline_expires_while_queued(container_rig, seed):
+    rig = container_rig
     res = RowResult("17", "request deadline expires while queued", seed=seed)
     gw = f"relgw-17-{uuid.uuid4().hex[:6]}"
     r = rig.r()

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from shared.argtypes import http_url, nonneg_float, nonneg_int, positive_float, positive_int
 from shared.config import ConfigError
 
 
@@ -34,16 +35,6 @@ def _alpha(text: str) -> float | None:
     return v
 
 
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="loadgen", description="SliceScheduler load generator: workloads from traces, open-loop replay")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -60,35 +51,35 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tenants", required=True, help="tenants file (tenants in popularity order)")
     b.add_argument("--cluster", help="cluster file to record in the workload (optional)")
     b.add_argument("--alpha", type=_alpha, required=True, help="power-law popularity exponent, or 'native'")
-    b.add_argument("--seed", type=int, required=True)
-    b.add_argument("--duration-s", type=_positive, required=True)
-    b.add_argument("--rate-scale", type=_positive, default=1.0)
-    b.add_argument("--base-rate-rps", type=_positive, help="total base rate (default: sum of the traces' rates)")
-    b.add_argument("--max-input-tokens", type=int, help="global prompt cap (the model context always applies)")
-    b.add_argument("--max-output-tokens", type=int, help="global output cap")
+    b.add_argument("--seed", type=nonneg_int, required=True)
+    b.add_argument("--duration-s", type=positive_float, required=True)
+    b.add_argument("--rate-scale", type=positive_float, default=1.0)
+    b.add_argument("--base-rate-rps", type=positive_float, help="total base rate (default: sum of the traces' rates)")
+    b.add_argument("--max-input-tokens", type=positive_int, help="global prompt cap (the model context always applies)")
+    b.add_argument("--max-output-tokens", type=positive_int, help="global output cap")
     b.add_argument("--servegen-model", default="m-large", help="servegen: model (m-large, m-mid, m-small, …)")
-    b.add_argument("--servegen-clients", type=int, default=16, help="servegen: top-N clients by rate in the span")
-    b.add_argument("--servegen-start-s", type=float, default=0.0, help="servegen: span start in the 14 days")
-    b.add_argument("--servegen-span-s", type=_positive, help="servegen: span length (default: duration)")
+    b.add_argument("--servegen-clients", type=positive_int, default=16, help="servegen: top-N clients by rate in the span")
+    b.add_argument("--servegen-start-s", type=nonneg_float, default=0.0, help="servegen: span start in the 14 days")
+    b.add_argument("--servegen-span-s", type=positive_float, help="servegen: span length (default: duration)")
     b.add_argument("--name", help="workload name (default: output file name)")
     b.add_argument("-o", "--output", required=True, help="workload file to write")
 
     s = wsub.add_parser("show", help="summarise a workload file")
     s.add_argument("workload")
-    s.add_argument("--rate-scale", type=_positive)
+    s.add_argument("--rate-scale", type=positive_float)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     r = sub.add_parser("replay", help="open-loop replay of a workload against the gateway")
     r.add_argument("--workload", required=True)
-    r.add_argument("--url", default="http://127.0.0.1:8000")
+    r.add_argument("--url", type=http_url, default="http://127.0.0.1:8000")
     keys = r.add_mutually_exclusive_group()
     keys.add_argument("--api-key-file", help="YAML mapping tenant → API key")
     keys.add_argument("--tenants", help="tenants file with plain-text api_keys (dev)")
-    r.add_argument("--rate-scale", type=_positive)
-    r.add_argument("--duration-s", type=_positive, help="send only arrivals before this time")
-    r.add_argument("--max-requests", type=int)
-    r.add_argument("--timeout-s", type=_positive, default=300.0, help="per-request limit")
-    r.add_argument("--grace-s", type=float, default=5.0, help="wait for in-flight requests after Ctrl-C")
+    r.add_argument("--rate-scale", type=positive_float)
+    r.add_argument("--duration-s", type=positive_float, help="send only arrivals before this time")
+    r.add_argument("--max-requests", type=positive_int)
+    r.add_argument("--timeout-s", type=positive_float, default=300.0, help="per-request limit")
+    r.add_argument("--grace-s", type=nonneg_float, default=5.0, help="wait for in-flight requests after Ctrl-C")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--out", required=True, help="output folder")
     return p

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from shared.argtypes import nonneg_int, positive_float, positive_int
 from shared.config import ConfigError, load_cluster
 from shared.policies import CONTAINERS
 
@@ -68,12 +69,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True)
     p.add_argument("--policies", default="container,container-realloc,muxserve,token-pool,slice,pooled-bound")
     p.add_argument("--fidelity", default="sim", help=f"one of: {', '.join(FIDELITIES)}")
-    p.add_argument("--seed", type=int, default=None, help="workload/simulator seed (default: the file's)")
-    p.add_argument("--duration-s", type=float, default=None, help="replay only the first D seconds")
-    p.add_argument("--start-scale", type=float, default=4.0)
-    p.add_argument("--tolerance", type=float, default=0.04, help="stop when hi/lo < 1 + tolerance")
-    p.add_argument("--max-scale", type=float, default=256.0)
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--seed", type=nonneg_int, default=None, help="workload/simulator seed (default: the file's)")
+    p.add_argument("--duration-s", type=positive_float, default=None, help="replay only the first D seconds")
+    p.add_argument("--start-scale", type=positive_float, default=4.0)
+    p.add_argument("--tolerance", type=positive_float, default=0.04, help="stop when hi/lo < 1 + tolerance")
+    p.add_argument("--max-scale", type=positive_float, default=256.0)
+    p.add_argument("--jobs", type=positive_int, default=1,
                    help="policies searched in parallel (>1: each point in its own process)")
     p.add_argument("--containers", choices=CONTAINERS, default=None,
                    help="sim: sized from offered work (default) or the tenants file's home devices; the meshes "

@@ -19,16 +19,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared.argtypes import nonneg_int, positive_int
 from shared.config import REPO_CONFIGS, Settings, load_cluster, load_tenants
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster-h100x32.yaml"))
     p.add_argument("--tenants-file", default=str(REPO_CONFIGS / "tenants-16mix.yaml"))
-    p.add_argument("--devices", type=int, default=32, help="use the first N devices of the cluster file")
-    p.add_argument("--tenants", type=int, default=16, help="use the first N tenants of the tenants file")
-    p.add_argument("--decisions", type=int, default=500)
-    p.add_argument("--warmup", type=int, default=20,
+    p.add_argument("--devices", type=positive_int, default=32, help="use the first N devices of the cluster file")
+    p.add_argument("--tenants", type=positive_int, default=16, help="use the first N tenants of the tenants file")
+    p.add_argument("--decisions", type=positive_int, default=500)
+    p.add_argument("--warmup", type=nonneg_int, default=20,
                    help="decisions run first and not timed (the first one of a process pays one-time costs: "
                         "imports, caches); the first decision's time is reported on its own")
     p.add_argument("--policy", default="slice")

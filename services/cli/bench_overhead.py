@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared.argtypes import positive_int
 from shared.config import REPO_CONFIGS, dev_api_keys, load_cluster, load_tenants
 
 
@@ -21,9 +22,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"))
     p.add_argument("--tenant", default=None, help="tenant to measure (default: the first)")
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
-    p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--repeat", type=int, default=3, help="rounds per batch size (median reported)")
+    p.add_argument("--tokens", type=positive_int, default=64, help="output tokens per request")
+    p.add_argument("--prompt-tokens", type=positive_int, default=16)
+    p.add_argument("--repeat", type=positive_int, default=3, help="rounds per batch size (median reported)")
     p.add_argument("--json", dest="json_out", default=None)
 
 

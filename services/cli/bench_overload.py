@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.argtypes import fraction, nonneg_float, nonneg_int, positive_float, positive_int
 from shared.config import REPO_CONFIGS, ConfigError, dev_api_keys, load_cluster, load_tenants
 
 RETRY_STATUSES = (429, 503)
@@ -36,16 +37,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"))
     p.add_argument("--tenant", default=None, help="tenant to load (default: the first)")
     p.add_argument("--multipliers", default="1,2,5", help="comma-separated multiples of the capacity")
-    p.add_argument("--duration-s", type=float, default=30.0, help="seconds of offered load per multiplier")
-    p.add_argument("--capacity-rps", type=float, default=None, help="skip the search and use this capacity")
-    p.add_argument("--search-s", type=float, default=10.0, help="seconds per capacity probe")
-    p.add_argument("--search-start-rps", type=float, default=8.0)
-    p.add_argument("--search-steps", type=int, default=3, help="bisection steps after the doubling phase")
-    p.add_argument("--max-violation", type=float, default=0.09, help="violation bound that defines capacity")
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--max-inflight", type=int, default=None, help="SLICESCHED_MAX_INFLIGHT for the gateway")
-    p.add_argument("--admit-sla-fraction", type=float, default=None,
+    p.add_argument("--duration-s", type=positive_float, default=30.0, help="seconds of offered load per multiplier")
+    p.add_argument("--capacity-rps", type=positive_float, default=None, help="skip the search and use this capacity")
+    p.add_argument("--search-s", type=positive_float, default=10.0, help="seconds per capacity probe")
+    p.add_argument("--search-start-rps", type=positive_float, default=8.0)
+    p.add_argument("--search-steps", type=nonneg_int, default=3, help="bisection steps after the doubling phase")
+    p.add_argument("--max-violation", type=fraction, default=0.09, help="violation bound that defines capacity")
+    p.add_argument("--prompt-tokens", type=positive_int, default=16)
+    p.add_argument("--output-tokens", type=positive_int, default=16)
+    p.add_argument("--max-inflight", type=positive_int, default=None, help="SLICESCHED_MAX_INFLIGHT for the gateway")
+    p.add_argument("--admit-sla-fraction", type=nonneg_float, default=None,
                    help="SLICESCHED_ADMIT_SLA_FRACTION for the gateway (0 turns the SLA limiter off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", default=None)

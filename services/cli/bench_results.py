@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from shared.argtypes import positive_float, positive_int
 from shared.config import ConfigError, load_cluster
 
 PARTS = ("sim", "emulated", "real")
@@ -62,11 +63,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--readme", default=None,
                    help="README to update between the result markers ('' = none; default: README.md when --out is "
                         "the default docs/results, none otherwise, so a run kept elsewhere leaves the README alone)")
-    p.add_argument("--jobs", type=int, default=2, help="simulator points run in parallel")
-    p.add_argument("--sim-duration-s", type=float, default=None, help="replay only the first D s in the sim part")
-    p.add_argument("--mesh-duration-s", type=float, default=None, help="replay only the first D s on the meshes")
-    p.add_argument("--tolerance", type=float, default=None, help="bisection stop (hi/lo < 1 + tolerance)")
-    p.add_argument("--start-scale", type=float, default=None, help="first rate scale tried (default: per part)")
+    p.add_argument("--jobs", type=positive_int, default=2, help="simulator points run in parallel")
+    p.add_argument("--sim-duration-s", type=positive_float, default=None, help="replay only the first D s in the sim part")
+    p.add_argument("--mesh-duration-s", type=positive_float, default=None, help="replay only the first D s on the meshes")
+    p.add_argument("--tolerance", type=positive_float, default=None, help="bisection stop (hi/lo < 1 + tolerance)")
+    p.add_argument("--start-scale", type=positive_float, default=None, help="first rate scale tried (default: per part)")
     p.add_argument("--sim-workloads", default=",".join(SIM_WORKLOADS))
     p.add_argument("--sim-cluster", default=SIM_CLUSTER)
     p.add_argument("--sim-policies", default=SIM_POLICIES)

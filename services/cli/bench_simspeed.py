@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from shared.argtypes import nonneg_float, nonneg_int, positive_float
 from shared.config import REPO_CONFIGS, ConfigError, load_cluster, load_tenants
 
 
@@ -16,10 +17,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants-16mix.yaml"))
     p.add_argument("--trace", default=None, help="Azure conv CSV (default: $SLICESCHED_TRACES/azure_llm_2023_conv.csv)")
     p.add_argument("--policy", default="container")
-    p.add_argument("--alpha", type=float, default=1.3)
-    p.add_argument("--rate-scale", type=float, default=1.0)
-    p.add_argument("--duration-s", type=float, default=3600.0)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--alpha", type=nonneg_float, default=1.3)
+    p.add_argument("--rate-scale", type=positive_float, default=1.0)
+    p.add_argument("--duration-s", type=positive_float, default=3600.0)
+    p.add_argument("--seed", type=nonneg_int, default=1)
     p.add_argument("--json", dest="json_out", default=None)
 
 

@@ -18,17 +18,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared.argtypes import nonneg_int, positive_float, positive_int
 from shared.config import REPO_CONFIGS, load_cluster, load_tenants
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster-h100x32.yaml"))
     p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants-16mix.yaml"))
-    p.add_argument("--queries", type=int, default=2000)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--candidates", type=int, default=8, help="candidates per query")
+    p.add_argument("--queries", type=positive_int, default=2000)
+    p.add_argument("--warmup", type=nonneg_int, default=100)
+    p.add_argument("--candidates", type=positive_int, default=8, help="candidates per query")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-ms", type=float, default=1000.0, help="per-query RPC timeout")
+    p.add_argument("--timeout-ms", type=positive_float, default=1000.0,
+                   help="per-query RPC timeout; a query past it counts at this latency, and in `timeouts`")
     p.add_argument("--in-process", action="store_true",
                    help="time the evaluation alone: the service's core called in this process, no RPC (separates "
                         "the evaluation's own tail from the trips through Redis)")
@@ -65,6 +67,8 @@ def _cpu_s(pid: int) -> float:
 
 
 def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
@@ -75,7 +79,7 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path, 
     from shared.redis_util import command_client
     from shared.service import health_key
     from shared.streams import StreamProducer
-    from services.simulator.client import WhatIfClient
+    from services.simulator.client import WhatIfClient, WhatIfTimeout
     from services.simulator.synthetic import write_synthetic_state
 
     rng = random.Random(args.seed)
@@ -93,7 +97,7 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path, 
                 raise RuntimeError(f"simulator did not start; see {data_dir / 'simulator.log'}")
             await asyncio.sleep(0.1)
         client = await WhatIfClient(redis, url, prefix).start()
-        lat, compute, outcomes = [], [], 0
+        lat, compute, outcomes, timeouts = [], [], 0, 0
         pids = {"client": os.getpid(), "simulator": proc.pid, "redis": redis_pid}
         cpu0, load0, wall0 = {}, os.getloadavg()[0], 0.0
         try:
@@ -102,7 +106,13 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path, 
                     cpu0, wall0 = {k: _cpu_s(p) for k, p in pids.items()}, time.perf_counter()
                 cands = _candidates(rng, cluster, tenants, args.candidates)
                 t0 = time.perf_counter()
-                reply = await client.whatif(cands, timeout_s=args.timeout_ms / 1e3)
+                try:
+                    reply = await client.whatif(cands, timeout_s=args.timeout_ms / 1e3)
+                except WhatIfTimeout:  # no answer in time: a latency of at least the timeout, never dropped
+                    if i >= args.warmup:
+                        lat.append(args.timeout_ms)
+                        timeouts += 1
+                    continue
                 dt = time.perf_counter() - t0
                 if i >= args.warmup:
                     lat.append(dt * 1e3)
@@ -118,7 +128,7 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path, 
         log.close()
         await redis.aclose()
     return {"mode": "rpc", "queries": len(lat), "candidates_per_query": args.candidates, "devices": len(cluster.devices),
-            "tenants": len(tenants.tenants), "outcomes": outcomes,
+            "tenants": len(tenants.tenants), "outcomes": outcomes, "timeouts": timeouts, "timeout_ms": args.timeout_ms,
             "rpc_ms": {"p50": _pct(lat, 0.5), "p90": _pct(lat, 0.9), "p99": _pct(lat, 0.99), "max": max(lat)},
             "compute_ms": {"p50": _pct(compute, 0.5), "p99": _pct(compute, 0.99)},
             "cpu_ms_per_query": {k: round(v, 3) for k, v in cpu.items()},  # simulator's includes its refresh loops
@@ -172,9 +182,6 @@ def run(args: argparse.Namespace) -> int:
 
     cluster = load_cluster(args.cluster)
     tenants = load_tenants(args.tenants, cluster)
-    if args.queries <= 0 or args.candidates <= 0:
-        print("slicesched bench whatif: --queries and --candidates must be positive", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory(prefix="bench-whatif-") as tmp:
         server = RedisServer(data_dir=Path(tmp) / "redis").start()
         try:
@@ -199,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  round trip ms: p50 {r['p50']:.2f}  p90 {r['p90']:.2f}  p99 {r['p99']:.2f}  max {r['max']:.2f}  "
           f"(target p99 <= {res['target_p99_ms']:.0f})")
     print(f"  server compute ms: p50 {c['p50']:.2f}  p99 {c['p99']:.2f}")
+    if res["timeouts"]:
+        print(f"  {res['timeouts']} queries got no reply within {res['timeout_ms']:g} ms (counted at that latency)")
     cpu = res["cpu_ms_per_query"]
     print(f"  CPU ms per query: client {cpu['client']:.2f}  simulator {cpu['simulator']:.2f}  "
           f"redis {cpu['redis']:.2f}  (1-min load average {res['loadavg_1m']['start']:.1f} -> "

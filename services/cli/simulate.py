@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shared.argtypes import nonneg_int
 from shared.config import ClusterConfig, ConfigError, load_cluster
 from shared.policies import CONTAINERS
 from shared.registry import UnknownNameError
@@ -23,7 +24,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", required=True, help="workload file (docs/loadgen.md)")
     p.add_argument("--policy", required=True, help="policy name (see docs/policies.md)")
     p.add_argument("--rate-scale", type=float, default=None, help="multiply arrival rates (default: the file's)")
-    p.add_argument("--seed", type=int, default=None, help="override the workload's seed (arrivals and simulator)")
+    p.add_argument("--seed", type=nonneg_int, default=None, help="override the workload's seed (arrivals and simulator)")
     p.add_argument("--duration-s", type=float, default=None, help="replay only the first D seconds")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="policy parameter (repeat); overrides the cluster file's policies.<name> key by key")

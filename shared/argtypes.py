@@ -1,0 +1,44 @@
+"""argparse ``type=`` checks shared by the ``slicesched`` and ``loadgen`` commands.
+
+A bad value becomes argparse's one-line usage error naming the option (``argument --tolerance: must be positive,
+got 0``) and exit status 2, instead of a traceback, a hang (a bisection that never narrows) or a silent zero.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+from urllib.parse import urlsplit
+
+
+def _number(kind: type, test: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if (kind is float and not math.isfinite(v)) or not test(v):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return v
+    parse.__name__ = f"{kind.__name__} ({what})"
+    return parse
+
+
+positive_float = _number(float, lambda v: v > 0, "positive")
+nonneg_float = _number(float, lambda v: v >= 0, ">= 0")
+positive_int = _number(int, lambda v: v > 0, "positive")
+nonneg_int = _number(int, lambda v: v >= 0, ">= 0")
+fraction = _number(float, lambda v: 0 <= v <= 1, "between 0 and 1")
+
+
+def http_url(text: str) -> str:
+    """An ``http://`` or ``https://`` URL with a host (the gateway's address)."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL with a host, got {text!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad port in {text!r}") from None
+    return text.rstrip("/")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from shared.config import ConfigError
 
@@ -72,7 +74,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM (a CI timeout, ``kill``) unwinds like Ctrl-C: ``finally`` blocks run, so a bench stops the private
+    redis-server and mesh it started instead of leaving them behind. A second SIGTERM during that clean-up is
+    ignored. ``slicesched up`` installs its own handler (it drains the mesh)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "_missing", False):

@@ -116,7 +116,7 @@ class LeaseManager:
             missing = {s: self._seg_bytes[g.tenant][s] for s in g.segments}
         lid = uuid.uuid4().hex[:12]
         lease = Lease(lid, g.tenant, g.guest_device, tuple(g.segments), now, now + g.duration_s,
-                      self.activation_bytes, home=g.home_device)
+                      self.activation_bytes, home=g.home_device, share=g.share, mode=g.mode)
         # one commit stages what this scheduler has not seen resident there and commits the lease; if its view
         # was stale (evicted or staged by someone else meanwhile), the two-step path below
         res = await self.leases_store.commit(lease, stage={s: n for s, n in missing.items()

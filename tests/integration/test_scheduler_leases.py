@@ -111,3 +111,18 @@ async def test_cached_weights_of_ended_leases_are_evicted_to_make_room(redis, pr
     res, pins = await redis.hgetall(k.resident("g0")), await redis.hgetall(k.pins("g0"))
     assert sum(n for _, _, n in unpinned_entries(res, pins, ("b",))) == sum(
         n for _, _, n in await ls.unpinned("g0", ("b",))) > 0
+
+
+async def test_the_gmg_lease_record_keeps_the_grants_mode_and_share(redis, prefix):
+    """What `slicesched inspect leases` and the simulator service's twin read back: before 2026-12-01 every live
+    lease was recorded as a `segments` lease with share 1.0, whatever was granted."""
+    store = GMGStore(redis, prefix)
+    await store.register_cluster(CLUSTER, TENANTS)
+    mgr = LeaseManager(prefix, store, StreamProducer(redis), TENANTS)
+    seq = GrantLease("a", "h0", "g0", ("*",), 5.0, 0.35, 1 << 20, mode="sequences")
+    await mgr.apply([seq, GrantLease("a", "h0", "g1", ("mlp[0]",), 5.0, 0.6, 1 << 20)], now=100.0)
+    ls = LeaseStore(store)
+    (on_g0,), (on_g1,) = await ls.active("g0"), await ls.active("g1")
+    assert (on_g0.mode, on_g0.segments, on_g0.share) == ("sequences", ("*",), 0.35)
+    assert (on_g1.mode, on_g1.segments, on_g1.share) == ("segments", ("mlp[0]",), 0.6)
+    assert {m.mode for m in await _granted(redis, prefix, "g0")} == {"sequences"}

@@ -31,5 +31,7 @@ def test_bench_whatif_times_every_query(tmp_path, in_process):
 
 
 def test_bench_whatif_refuses_nonpositive_counts(capsys):
-    assert main(["bench", "whatif", "--queries", "0", "--in-process"]) == 2
-    assert "--queries" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ei:
+        main(["bench", "whatif", "--queries", "0", "--in-process"])
+    assert ei.value.code == 2
+    assert "argument --queries: must be positive" in capsys.readouterr().err

@@ -47,10 +47,15 @@ def test_sigterm_stops_the_benchs_private_redis(tmp_path):
                     cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0]
                 except FileNotFoundError:
                     continue
-                if cmd.endswith(b"redis-server"):
+                if b"redis-server" in cmd:  # redis rewrites its title to "redis-server HOST:PORT"
                     redis_pid = child
             time.sleep(0.1)
-        assert redis_pid is not None, "the bench never started its redis-server"
+        if redis_pid is None:
+            kids = {k: Path(f"/proc/{k}/cmdline").read_bytes()[:80] for k in _children(proc.pid)}
+            status = Path(f"/proc/{proc.pid}/status").read_text()[:300]
+            proc.kill()
+            pytest.fail(f"the bench never started its redis-server (children {kids}, {status}, exit {proc.wait()}): "
+                        f"{proc.stderr.read()[-2000:]}")
         time.sleep(2.0)  # well into the run (the simulator service is up, queries are flowing)
         started = _children(proc.pid)
         assert len(started) >= 2, started  # redis-server and the simulator service

@@ -184,7 +184,8 @@ def run_mesh(cluster_file: str, tenants_file: str, phases: list[tuple[str, list[
     with tempfile.TemporaryDirectory(prefix="slicesched-accuracy-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(cluster_file).resolve()),
                             tenants_file=str(Path(tenants_file).resolve()), data_dir=Path(tmp), gateway_port=0,
-                            prefix=prefix, extra_env=MEASURE_ENV)
+                            prefix=prefix, extra_env=MEASURE_ENV,
+                            policy="container")  # what the simulator replays it with (home devices, no leases)
         t_start = time.perf_counter()
         launcher.start()
         log.info("accuracy_mesh_up", gateway=launcher.gateway_url, start_s=round(time.perf_counter() - t_start, 2))

@@ -24,6 +24,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--tokens", type=positive_int, default=64, help="output tokens per request")
     p.add_argument("--prompt-tokens", type=positive_int, default=16)
+    p.add_argument("--policy", default="container",
+                   help="the mesh's policy (container: the serving path alone, no leases; docs/benchmarks.md)")
     p.add_argument("--repeat", type=positive_int, default=3, help="rounds per batch size (median reported)")
     p.add_argument("--json", dest="json_out", default=None)
 
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="slicesched-bench-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()),
                             tenants_file=str(Path(args.tenants).resolve()), data_dir=Path(tmp), gateway_port=0,
-                            extra_env=MEASURE_ENV)
+                            extra_env=MEASURE_ENV, policy=args.policy)
         launcher.start()
         try:
             for b in batches:
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             launcher.stop(drain_s=10)
     out = {"tenant": tenant.name, "model": tenant.model.preset, "output_tokens": args.tokens,
-           "prompt_tokens": args.prompt_tokens, "batches": {str(k): v for k, v in results.items()},
+           "prompt_tokens": args.prompt_tokens, "policy": args.policy,
+           "batches": {str(k): v for k, v in results.items()},
            "machine": _machine(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
     print("| batch | in-process decode step (ms) | mesh time per output token (ms) | added by the mesh (ms/token) "
           "| worker step inside the mesh (ms) | token path beyond the step (ms) |")

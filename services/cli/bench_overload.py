@@ -48,6 +48,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=positive_int, default=None, help="SLICESCHED_MAX_INFLIGHT for the gateway")
     p.add_argument("--admit-sla-fraction", type=nonneg_float, default=None,
                    help="SLICESCHED_ADMIT_SLA_FRACTION for the gateway (0 turns the SLA limiter off)")
+    p.add_argument("--policy", default="container", help="the mesh's policy (the published figures: container)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", default=None)
 
@@ -322,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="slicesched-overload-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()),
                             tenants_file=str(Path(args.tenants).resolve()), data_dir=Path(tmp), gateway_port=0,
-                            extra_env=env)
+                            extra_env=env, policy=args.policy)
         launcher.start()
         try:
             bench = Bench(launcher, tenant, keys[0], args)
@@ -350,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
                                              os.environ.get("SLICESCHED_MAX_INFLIGHT") or 4096),
                          "admit_sla_fraction": float(env.get("SLICESCHED_ADMIT_SLA_FRACTION") or
                                                       os.environ.get("SLICESCHED_ADMIT_SLA_FRACTION") or 0.5)},
-              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "policy": args.policy,
               "capacity_rps": capacity, "max_violation": args.max_violation, "probes": bench.probes, "phases": phases,
               "machine": f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, no GPU",
               "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},

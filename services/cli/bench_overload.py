@@ -319,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
         env["SLICESCHED_MAX_INFLIGHT"] = str(args.max_inflight)
     if args.admit_sla_fraction is not None:
         env["SLICESCHED_ADMIT_SLA_FRACTION"] = str(args.admit_sla_fraction)
+    from services.gateway.core import GatewayLimits
+    limits = GatewayLimits.from_env({**os.environ, **env})  # what the gateway will run with (a bad value: now)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="slicesched-overload-") as tmp:
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()),
@@ -347,10 +349,7 @@ def run(args: argparse.Namespace) -> int:
             launcher.stop(drain_s=10)
     result = {"tenant": tenant.name, "sla_ms": {"ttft": tenant.sla.ttft_ms, "tpot": tenant.sla.tpot_ms},
               "bounds": {"max_queue": tenant.max_queue, "quota": vars(tenant.quota),
-                         "max_inflight": int(env.get("SLICESCHED_MAX_INFLIGHT") or
-                                             os.environ.get("SLICESCHED_MAX_INFLIGHT") or 4096),
-                         "admit_sla_fraction": float(env.get("SLICESCHED_ADMIT_SLA_FRACTION") or
-                                                      os.environ.get("SLICESCHED_ADMIT_SLA_FRACTION") or 0.5)},
+                         "max_inflight": limits.max_inflight, "admit_sla_fraction": limits.admit_sla_fraction},
               "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "policy": args.policy,
               "capacity_rps": capacity, "max_violation": args.max_violation, "probes": bench.probes, "phases": phases,
               "machine": f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, no GPU",

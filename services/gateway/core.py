@@ -36,6 +36,7 @@ class GatewayLimits:
     drain_s: float = 20.0
     retry_after_s: int = 1
     admit_sla_fraction: float = 0.5  # SLA limiter targets as a fraction of the tenant's SLA; 0 = limiter off
+    stream_interval_ms: float = 10.0  # the tokens stream is read at most once per interval while it is busy; 0 = off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "GatewayLimits":
@@ -43,7 +44,8 @@ class GatewayLimits:
             return env_number(name, default, kind, above=0, env=env)
 
         fraction = env_number("SLICESCHED_ADMIT_SLA_FRACTION", 0.5, float, minimum=0, env=env)
-        return cls(admit_sla_fraction=fraction, max_body_bytes=num("SLICESCHED_MAX_BODY_BYTES", 1024 * 1024, int),
+        interval = env_number("SLICESCHED_STREAM_INTERVAL_MS", 10.0, float, minimum=0, maximum=1000, env=env)
+        return cls(admit_sla_fraction=fraction, stream_interval_ms=interval, max_body_bytes=num("SLICESCHED_MAX_BODY_BYTES", 1024 * 1024, int),
                    max_inflight=num("SLICESCHED_MAX_INFLIGHT", 4096, int),
                    request_idle_timeout_s=num("SLICESCHED_REQUEST_IDLE_TIMEOUT_S", 60.0, float),
                    redis_op_timeout_s=num("SLICESCHED_REDIS_TIMEOUT_S", 2.0, float),

@@ -58,7 +58,8 @@ class GatewayService:
         self.producer = StreamProducer(self.redis)
         self.requests_stream = requests_stream(settings.prefix)
         self.router = TokenRouter(cmd=self.redis, blocking=self.blocking,
-                                  stream=tokens_stream(settings.prefix, self.gateway_id))
+                                  stream=tokens_stream(settings.prefix, self.gateway_id),
+                                  read_interval_s=self.limits.stream_interval_ms / 1000.0)
         self.tokenizers = {t.name: load_tokenizer(t.model.checkpoint, t.model.config) for t in tenants.tenants}
         self.draining = False
         self._loops_stop = asyncio.Event()  # the tokens loops outlive the signal flag: they serve the drain

@@ -131,7 +131,8 @@ async def _stream(request: web.Request, ctx: RequestContext, pending: PendingReq
         await resp.prepare(request)
         # Events already routed to this request go out in one write (each token is still its own SSE event):
         # the start event with the first token, the finish/usage/[DONE] events with the last, and every token
-        # that queued up while the gateway was busy. One write is one system call; a token is never held back.
+        # that queued up since the last write (the router reads the tokens stream at most once per stream
+        # interval, tokens.py). One write is one system call; the handler never holds a routed token back.
         out: list[bytes] = shaper.start()
         ev: TokenChunk | RequestError = first
         while True:

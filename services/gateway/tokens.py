@@ -9,9 +9,10 @@ While the stream is busy it is read at most once per ``read_interval_s`` (``SLIC
 default 10 ms): every worker step appends one entry per running request, and reading them one step at a time made
 the gateway pay an XREAD, a wake-up of each request's handler and an SSE write per token. Paced, one read brings
 the entries of several steps and each handler writes its request's tokens of the interval in one write
-(docs/benchmarks.md: gateway CPU per request halved at 4 req/s per tenant). A read after an idle period returns as
-soon as the first entry arrives, so a quiet gateway adds no delay; a busy one delivers tokens up to one interval
-later than they were appended.
+(docs/benchmarks.md). Busy means the last read brought more than one entry: a read after an idle period returns as
+soon as the first entry arrives, and a stream that brings one entry at a time (one request streaming) is read
+after every entry, so a quiet gateway adds no delay; a busy one delivers tokens up to one interval later than they
+were appended.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from shared.streams import entry_payload
 log = structlog.get_logger()
 
 READ_COUNT = 256  # entries per XREAD
+PACE_MIN_ENTRIES = 2  # a read that brought fewer entries than this is not paced (the stream is not busy)
 MAX_BUFFERED = 4096  # out-of-order chunks held per request before the request is failed
 STREAM_TTL_S = 3600
 
@@ -181,9 +183,10 @@ class TokenRouter:
 
 
 def pace_delay(interval_s: float, started: float, now: float, resp: list) -> float:
-    """Seconds to wait before the next read so that reads start at most ``interval_s`` apart; none after a full
-    read (a backlog is read at once)."""
-    if interval_s <= 0 or any(len(entries) >= READ_COUNT for _stream, entries in resp):
+    """Seconds to wait before the next read so that reads start at most ``interval_s`` apart while the stream is
+    busy; none after a read of a single entry (nothing to batch) or a full one (a backlog is read at once)."""
+    n = sum(len(entries) for _stream, entries in resp)
+    if interval_s <= 0 or n < PACE_MIN_ENTRIES or any(len(entries) >= READ_COUNT for _stream, entries in resp):
         return 0.0
     return max(0.0, interval_s - (now - started))
 

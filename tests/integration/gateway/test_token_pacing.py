@@ -1,5 +1,6 @@
-"""The gateway's tokens stream read at most once per interval (``SLICESCHED_STREAM_INTERVAL_MS``), against a real
-Redis: every chunk arrives, in order, in fewer reads than without pacing."""
+"""The gateway's tokens stream read at most once per interval while it is busy (``SLICESCHED_STREAM_INTERVAL_MS``),
+against a real Redis: every chunk arrives, in order; a busy stream (several entries per step) is read in fewer reads
+than without pacing; a stream of one entry at a time is read after every entry (no added delay)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,41 +14,46 @@ from shared.messages import TokenChunk
 from shared.redis_util import blocking_client
 from shared.streams import FIELD_MSG, FIELD_TYPE
 
-CHUNKS = 12
+STEPS = 12
 SPACING_S = 0.02
+SPAN_S = STEPS * SPACING_S
 
 
-async def _deliver(redis, redis_url: str, stream: str, interval_s: float) -> tuple[int, list[int], float]:
-    """Append CHUNKS chunks SPACING_S apart; returns (reads, seqs received, seconds until the last arrived)."""
+async def _deliver(redis, redis_url: str, stream: str, interval_s: float, requests: int) -> tuple[int, float]:
+    """Append one chunk per request every SPACING_S (all of a step in one transaction, as a worker's step lands);
+    returns (reads, seconds until the last chunk was routed)."""
     blk = blocking_client(redis_url, block_ms=200)
     r = TokenRouter(cmd=redis, blocking=blk, stream=stream, block_ms=200, read_interval_s=interval_s)
-    p = r.register("r1", "ta")
+    rids = [f"r{i}" for i in range(requests)]
+    pend = {rid: r.register(rid, "ta") for rid in rids}
     stop = asyncio.Event()
     task = asyncio.create_task(r.run(stop))
-    got: list[int] = []
     try:
         t0 = time.monotonic()
-        for seq in range(CHUNKS):
-            c = TokenChunk(msg_id=f"m{seq}", request_id="r1", tenant="ta", seq=seq, token_ids=[seq], text="x")
-            await redis.xadd(stream, {FIELD_TYPE: b"TokenChunk", FIELD_MSG: encode(c)})
+        for seq in range(STEPS):
+            pipe = redis.pipeline(transaction=True)
+            for rid in rids:
+                c = TokenChunk(msg_id=f"{rid}-{seq}", request_id=rid, tenant="ta", seq=seq, token_ids=[seq], text="x")
+                pipe.xadd(stream, {FIELD_TYPE: b"TokenChunk", FIELD_MSG: encode(c)})
+            await pipe.execute()
             await asyncio.sleep(SPACING_S)
-        while len(got) < CHUNKS:
-            got.append((await asyncio.wait_for(p.queue.get(), timeout=5)).seq)
-        return r.reads, got, time.monotonic() - t0
+        for rid in rids:
+            got = [(await asyncio.wait_for(pend[rid].queue.get(), timeout=5)).seq for _ in range(STEPS)]
+            assert got == list(range(STEPS)), (rid, got)
+        return r.reads, time.monotonic() - t0
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=5)
         await blk.aclose()
 
 
-@pytest.mark.parametrize("interval_s", [0.0, 0.1])
-async def test_paced_reads_deliver_every_chunk_in_order(redis, redis_url, prefix, interval_s):
-    reads, seqs, took = await _deliver(redis, redis_url, f"{prefix}tokens:g", interval_s)
-    assert seqs == list(range(CHUNKS))
-    span = CHUNKS * SPACING_S
-    if interval_s:
-        # one read per interval at most (plus the first, which returns at the first entry)
-        assert reads <= span / interval_s + 2, reads
-        assert took < span + interval_s + 1.0  # the last chunk waited at most about one interval
-    else:
-        assert reads > span / 0.1 + 2, reads  # unpaced, the router reads about once per append
+async def test_busy_stream_is_read_once_per_interval(redis, redis_url, prefix):
+    reads, took = await _deliver(redis, redis_url, f"{prefix}tokens:g", 0.1, requests=3)
+    assert reads <= SPAN_S / 0.1 + 2, reads  # one read per interval at most (plus the first, at the first entry)
+    assert took < SPAN_S + 0.1 + 1.0  # the last chunks waited at most about one interval
+
+
+@pytest.mark.parametrize("interval_s,requests", [(0.0, 3), (0.1, 1)])
+async def test_unpaced_or_single_entry_stream_is_read_per_append(redis, redis_url, prefix, interval_s, requests):
+    reads, _took = await _deliver(redis, redis_url, f"{prefix}tokens:g", interval_s, requests=requests)
+    assert reads > SPAN_S / 0.1 + 2, reads  # about one read per append

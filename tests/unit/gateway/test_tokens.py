@@ -97,5 +97,6 @@ def test_pace_delay_spaces_reads_by_the_interval():
     assert abs(pace_delay(0.010, started=100.0, now=100.004, resp=some) - 0.006) < 1e-9
     assert pace_delay(0.010, started=100.0, now=100.5, resp=some) == 0.0  # the read blocked past the interval
     assert pace_delay(0.0, started=100.0, now=100.0, resp=some) == 0.0  # pacing off
+    assert pace_delay(0.010, started=100.0, now=100.0, resp=[("s", [("1-0", {})])]) == 0.0  # one entry: not busy
     full = [("s", [("1-0", {})] * READ_COUNT)]
     assert pace_delay(0.010, started=100.0, now=100.0, resp=full) == 0.0  # a backlog is read at once

@@ -97,7 +97,7 @@ class GatewayService:
                        asyncio.create_task(self.shell.heartbeat_loop(self._health_extra), name="heartbeat")]
         self.shell.ready = True
         log.info("gateway_listening", host=self.host, port=self.port, gateway=self.gateway_id,
-                 tenants=self.tenants.names())
+                 tenants=self.tenants.names(), stream_interval_ms=self.limits.stream_interval_ms)
         return self.port
 
     async def stop(self) -> None:

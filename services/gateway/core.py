@@ -45,7 +45,8 @@ class GatewayLimits:
 
         fraction = env_number("SLICESCHED_ADMIT_SLA_FRACTION", 0.5, float, minimum=0, env=env)
         interval = env_number("SLICESCHED_STREAM_INTERVAL_MS", 10.0, float, minimum=0, maximum=1000, env=env)
-        return cls(admit_sla_fraction=fraction, stream_interval_ms=interval, max_body_bytes=num("SLICESCHED_MAX_BODY_BYTES", 1024 * 1024, int),
+        return cls(admit_sla_fraction=fraction, stream_interval_ms=interval,
+                   max_body_bytes=num("SLICESCHED_MAX_BODY_BYTES", 1024 * 1024, int),
                    max_inflight=num("SLICESCHED_MAX_INFLIGHT", 4096, int),
                    request_idle_timeout_s=num("SLICESCHED_REQUEST_IDLE_TIMEOUT_S", 60.0, float),
                    redis_op_timeout_s=num("SLICESCHED_REDIS_TIMEOUT_S", 2.0, float),

@@ -236,13 +236,15 @@ class LlamaModel:
             o = torch.bmm(p, vals).view(kvh, d, g, hd)
             parts.append(o.transpose(0, 1).reshape(d, nh * hd))
         for pf in ctx.prefills:
+            # the fused kernel never materialises the [heads, n, L] scores: a 256-token chunk's attention ran
+            # 4-5x faster than scores + mask + softmax as separate ops (docs/model-engine-bench.md)
             n = pf.n
-            qp = q[pf.row:pf.row + n].reshape(n, kvh, g, hd).permute(1, 2, 0, 3).reshape(kvh, g * n, hd)
-            keys, vals = _take(kc, pf.gather), _take(vc, pf.gather)  # [kvh, L, hd]
-            s = torch.bmm(qp, keys.transpose(1, 2))  # [kvh, g*n, L]
-            p = self._softmax(s.view(kvh, g, n, -1), pf.bias).view(kvh, g * n, -1)
-            o = torch.bmm(p, vals).view(kvh, g, n, hd)
-            parts.append(o.permute(2, 0, 1, 3).reshape(n, nh * hd))
+            qp = q[pf.row:pf.row + n].transpose(0, 1).unsqueeze(0)  # [1, nh, n, hd]
+            keys, vals = _take(kc, pf.gather).unsqueeze(0), _take(vc, pf.gather).unsqueeze(0)  # [1, kvh, L, hd]
+            bias = pf.bias if pf.bias is None or pf.bias.dtype == qp.dtype else pf.bias.to(qp.dtype)
+            o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=bias, scale=self._scale,
+                                               enable_gqa=g > 1)  # [1, nh, n, hd]
+            parts.append(o[0].transpose(0, 1).reshape(n, nh * hd))
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         return x + attn @ w["o"]
 

@@ -29,7 +29,7 @@ class PrefillGroup:
     row: int
     n: int
     gather: torch.Tensor | slice  # [L] slot indices, or the slot range when the sequence's blocks are consecutive
-    bias: torch.Tensor | None  # [n, L] additive causal mask (None when n == 1)
+    bias: torch.Tensor | None  # [n, L] additive causal mask in the KV cache's dtype (None when n == 1)
 
 
 @dataclass
@@ -104,7 +104,9 @@ def build_context(kv: PagedKVCache, chunks: list[SeqChunk]) -> BatchContext:
         if c.length > 1:
             q_pos = torch.arange(c.start, ctx_len, device=device).unsqueeze(1)
             k_pos = torch.arange(ctx_len, device=device).unsqueeze(0)
-            bias = torch.zeros(c.length, ctx_len, device=device).masked_fill_(k_pos > q_pos, float("-inf"))
+            # in the cache's dtype: the fused attention takes the mask in the queries' dtype
+            bias = torch.zeros(c.length, ctx_len, device=device, dtype=kv.dtype) \
+                .masked_fill_(k_pos > q_pos, float("-inf"))
         gather = slots[:ctx_len] if s0 is None else slice(s0, s0 + ctx_len)
         ctx.prefills.append(PrefillGroup(row=row, n=c.length, gather=gather, bias=bias))
         row += c.length

@@ -92,7 +92,7 @@ class PagedKVCache:
                  layers: list[int] | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None) -> None:
         self.layers = list(range(cfg.num_hidden_layers)) if layers is None else sorted(layers)
-        dtype = dtype or getattr(torch, cfg.dtype)
+        dtype = self.dtype = dtype or getattr(torch, cfg.dtype)
         kvh, hd = cfg.num_key_value_heads, cfg.head_dim
         slots = num_blocks * block_size
         self.k: dict[int, torch.Tensor] = {}

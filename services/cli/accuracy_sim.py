@@ -104,14 +104,16 @@ class SimReplay:
 
 def replay(cluster: ClusterConfig, tenants: TenantsConfig, requests: list[WorkloadRequest], *,
            cost_of: Callable[[str, str], ModelCost] | None = None, arrival_shift_s: float = 0.0,
-           delivery_s: float = 0.0, drift: dict[str, list[tuple[float, float]]] | None = None,
+           delivery_s: float = 0.0, done_s: float | None = None, drift: dict[str, list[tuple[float, float]]] | None = None,
            seed: int = 0) -> SimReplay:
     """Replay ``requests`` with the ``container`` policy on the tenants' home devices.
 
     ``cost_of(device_id, tenant)`` gives the cost model of a tenant's engine on a device (default: the shipped
     profile of the device's kind, uncorrected). ``arrival_shift_s`` delays every arrival (the request path
     from the client to the worker) and ``delivery_s`` is added to every first token (worker to client); both
-    are reported against the original arrival times. ``drift`` maps a device to change points (t, factor) of a
+    are reported against the original arrival times. ``done_s`` is added to every finish (worker to the client's
+    end of stream; default ``delivery_s``), so the TPOT is the client's: (finish + ``done_s`` − first token −
+    ``delivery_s``) / (tokens − 1), never below zero. ``drift`` maps a device to change points (t, factor) of a
     multiplier on its iteration times (t in seconds since arrival 0, the simulated clock's base).
     """
     from shared.policies import make_policy
@@ -144,7 +146,8 @@ def replay(cluster: ClusterConfig, tenants: TenantsConfig, requests: list[Worklo
         if r.first_token < 0 or r.finish < 0:
             continue
         ttft = r.first_token - (r.arrival - arrival_shift_s) + delivery_s
-        out[r.rid] = (ttft, r.tpot() if r.output > 1 else None)
+        tail = (delivery_s if done_s is None else done_s) - delivery_s
+        out[r.rid] = (ttft, max(0.0, r.tpot() + tail / (r.output - 1)) if r.output > 1 else None)
     memory = {d.id: list(d.mem.timeline) for d in sim.devices.values()}
     capacity = {d.id: d.mem.capacity for d in sim.devices.values()}
     return SimReplay(out, memory, capacity, records, costs)

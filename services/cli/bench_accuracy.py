@@ -91,14 +91,19 @@ def match_requests(m) -> list[tuple[dict, dict]]:
     return pairs
 
 
-def path_latency(m) -> tuple[float, float]:
-    """Median (client send → worker start, worker first token → client first token) in seconds."""
+def path_latency(m) -> tuple[float, float, float]:
+    """Median (client send → worker start, worker first token → client first token, worker finish → client end of
+    stream) in seconds. The client's TPOT runs from its first token to the end of the stream, so it is the
+    worker's (finish − first token) plus the third minus the second, over (tokens − 1); the third can be below
+    zero (the worker stamps its finish after it has published the last token). Without end times in the
+    records, the third equals the second (the TPOT is the worker's)."""
     pairs = match_requests(m)
     if not pairs:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     d_in = statistics.median(w["started"] - (r["sent_ts"] - m.t0_ts) for r, w in pairs)
-    d_out = statistics.median((r["sent_ts"] - m.t0_ts + r["ttft_s"]) - w["first_token"] for r, w in pairs)
-    return max(0.0, d_in), max(0.0, d_out)
+    d_out = max(0.0, statistics.median((r["sent_ts"] - m.t0_ts + r["ttft_s"]) - w["first_token"] for r, w in pairs))
+    ends = [(r["sent_ts"] - m.t0_ts + r["e2e_s"]) - w["finish"] for r, w in pairs if r.get("e2e_s") is not None]
+    return max(0.0, d_in), d_out, statistics.median(ends) if ends else d_out
 
 
 def solo_groups(m) -> dict[str, dict[tuple, list[tuple[str, float]]]]:
@@ -286,7 +291,7 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
         cal_rep = replay(cluster, tenants, calibration)
         factors = correction_factors(measured_segments(cal, pool_devices=False), cal_rep.segment_predictions())
         loop = loop_overhead(cal)
-        d_in, d_out = path_latency(cal)
+        d_in, d_out, d_done = path_latency(cal)
         models = {t.name: t.model.config for t in tenants.tenants}
         kinds = {d.id: d.kind for d in cluster.devices}
 
@@ -295,17 +300,19 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
             prof = dataclasses.replace(prof, step_overhead_s=loop.get(device, prof.step_overhead_s))
             return ModelCost(models[tenant], prof, factors.get(device, {}))
 
-        calibrated = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out)
+        calibrated = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out,
+                            done_s=d_done)
         out["calibrated"] = evaluate(run, calibrated, min_count, floor)
         per_exec = {k: st.mean for k, st in calibrated.segment_predictions().items()}
         trend = drift(run, per_exec)
         online = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out,
-                        drift=trend)
+                        done_s=d_done, drift=trend)
         out["online"] = evaluate(run, online, min_count, floor)
         out["online"]["drift"] = {d: {"mean": statistics.fmean(g for _, g in pts), "min": min(g for _, g in pts),
                                       "max": max(g for _, g in pts)} for d, pts in trend.items()}
         out["calibration"] = {"requests": len(cal.requests), "correction_factors": factors,
                               "step_overhead_s": loop, "dispatch_s": d_in, "delivery_s": d_out,
+                              "end_of_stream_s": d_done,
                               "profile_step_overhead_s": {d: load_profile(k).step_overhead_s
                                                           for d, k in kinds.items()}}
     head = out.get("calibrated", out["profile_only"])

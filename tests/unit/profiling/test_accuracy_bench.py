@@ -58,6 +58,10 @@ def test_replay_shift_delivery_and_drift(mesh_cfg):
     base = replay(cluster, tenants, req).requests["r0"]
     moved = replay(cluster, tenants, req, arrival_shift_s=0.01, delivery_s=0.002).requests["r0"]
     assert moved[0] == pytest.approx(base[0] + 0.012) and moved[1] == pytest.approx(base[1])
+    # the client's end of stream 1 ms after the worker's finish, its first token 2 ms after: TPOT over 2 steps
+    tail = replay(cluster, tenants, req, delivery_s=0.002, done_s=0.001).requests["r0"]
+    assert tail[0] == pytest.approx(base[0] + 0.002) and tail[1] == pytest.approx(base[1] - 0.0005)
+    assert replay(cluster, tenants, req, delivery_s=1.0, done_s=0.0).requests["r0"][1] == 0.0  # never below zero
     slow = replay(cluster, tenants, req, drift={"cpu1": [(0.0, 2.0)]})
     assert slow.requests["r0"][0] == pytest.approx(2 * base[0]) and slow.requests["r0"][1] == pytest.approx(2 * base[1])
     assert all(it.scale == 2.0 for it in slow.iterations)
@@ -65,9 +69,9 @@ def test_replay_shift_delivery_and_drift(mesh_cfg):
 
 def test_match_requests_and_path_latency():
     recs = [{"id": "a", "tenant": "t", "status": "ok", "sent_ts": 1000.0, "ttft_s": 0.050, "input_tokens": 10,
-             "output_tokens": 4},
+             "output_tokens": 4, "e2e_s": 0.104},
             {"id": "b", "tenant": "t", "status": "ok", "sent_ts": 1000.1, "ttft_s": 0.070, "input_tokens": 10,
-             "output_tokens": 4}]
+             "output_tokens": 4, "e2e_s": 0.098}]
     workers = [{"device": "d", "tenant": "t", "prompt_tokens": 10, "completion_tokens": 4, "started": 0.11,
                 "first_token": 0.16, "finish": 0.2},
                {"device": "d", "tenant": "t", "prompt_tokens": 10, "completion_tokens": 4, "started": 0.01,
@@ -75,9 +79,13 @@ def test_match_requests_and_path_latency():
     m = _meas(requests=recs, worker_requests=workers)
     pairs = match_requests(m)
     assert [(r["id"], w["started"]) for r, w in pairs] == [("a", 0.01), ("b", 0.11)]
-    d_in, d_out = path_latency(m)
+    d_in, d_out, d_done = path_latency(m)
     assert d_in == pytest.approx(0.01)  # both requests reach the worker 10 ms after they are sent
     assert d_out == pytest.approx(0.01)  # and their first token reaches the client 10 ms after the worker has it
+    assert d_done == pytest.approx(0.001)  # their ends of stream 4 ms after and 2 ms before the worker's finish
+    for r in recs:
+        del r["e2e_s"]
+    assert path_latency(m)[2] == pytest.approx(d_out)  # no end times: the client's TPOT is taken as the worker's
 
 
 def test_solo_groups_and_noise_floor():

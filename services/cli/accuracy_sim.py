@@ -104,8 +104,8 @@ class SimReplay:
 
 def replay(cluster: ClusterConfig, tenants: TenantsConfig, requests: list[WorkloadRequest], *,
            cost_of: Callable[[str, str], ModelCost] | None = None, arrival_shift_s: float = 0.0,
-           delivery_s: float = 0.0, done_s: float | None = None, drift: dict[str, list[tuple[float, float]]] | None = None,
-           seed: int = 0) -> SimReplay:
+           delivery_s: float = 0.0, done_s: float | None = None,
+           drift: dict[str, list[tuple[float, float]]] | None = None, seed: int = 0) -> SimReplay:
     """Replay ``requests`` with the ``container`` policy on the tenants' home devices.
 
     ``cost_of(device_id, tenant)`` gives the cost model of a tenant's engine on a device (default: the shipped
@@ -142,11 +142,11 @@ def replay(cluster: ClusterConfig, tenants: TenantsConfig, requests: list[Worklo
     sim = _Replay(cluster, tenants, make_policy("container", {"resize": False}), cfg, random.Random(seed))
     sim.run(w)
     out: dict[str, tuple[float, float | None]] = {}
+    tail = (delivery_s if done_s is None else done_s) - delivery_s  # the client's end of stream vs first token
     for r in sim.requests:
         if r.first_token < 0 or r.finish < 0:
             continue
         ttft = r.first_token - (r.arrival - arrival_shift_s) + delivery_s
-        tail = (delivery_s if done_s is None else done_s) - delivery_s
         out[r.rid] = (ttft, max(0.0, r.tpot() + tail / (r.output - 1)) if r.output > 1 else None)
     memory = {d.id: list(d.mem.timeline) for d in sim.devices.values()}
     capacity = {d.id: d.mem.capacity for d in sim.devices.values()}

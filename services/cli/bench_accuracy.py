@@ -48,6 +48,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_out", default=None, help="write the errors and their detail here")
     p.add_argument("--raw-out", default=None, help="also save the raw mesh measurements (JSON)")
     p.add_argument("--from-raw", default=None, help="analyse saved raw measurements instead of running the mesh")
+    p.add_argument("--machine-noise-s", type=float, default=4.0,
+                   help="seconds per window length (50 and 200 ms) of timing a fixed computation before the mesh "
+                        "starts, to report how steady the machine is (0: skip; else at least 0.6)")
 
 
 # ---------------------------------------------------------------- measured side, reduced
@@ -277,29 +280,58 @@ def _q(values: list[float]) -> dict[str, float | None]:
     return {"p50": statistics.median(s) * 1e3, "p90": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e3}
 
 
-def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, min_count: int) -> dict[str, Any]:
-    """Both replays and their errors; the headline is the calibrated one when a calibration phase exists."""
+def fit(cluster, tenants, phase, requests: list, rounds: int = 3) -> tuple[Any, tuple[float, float, float],
+                                                                           dict[str, Any]]:
+    """What the calibrated replay learns from one measured phase whose arrivals were ``requests``: the cost model
+    per (device, tenant) with per-(device, segment kind [@bucket]) correction factors and the serving loop's
+    per-iteration overhead, and the request path's three delays (:func:`path_latency`); with the learned values
+    for the report.
+
+    The factors are measured / predicted time per bucket, the prediction taken over the batches a replay ran.
+    The batches depend on the times (a slower device batches more), so a replay with the uncorrected profile
+    runs other batches than the mesh did; the factors are therefore refitted ``rounds`` − 1 times over the
+    batches of a replay with the previous round's factors (each round's prediction in the profile's own units)."""
     from services.cli.accuracy_sim import replay
     from shared.costmodel import ModelCost, load_profile
+
+    meas = measured_segments(phase, pool_devices=False)
+    loop = loop_overhead(phase)
+    path = path_latency(phase)
+    models = {t.name: t.model.config for t in tenants.tenants}
+    kinds = {d.id: d.kind for d in cluster.devices}
+    factors: dict[str, dict[str, float]] = {}
+
+    def cost_of(device: str, tenant: str) -> ModelCost:
+        prof = load_profile(kinds[device])
+        prof = dataclasses.replace(prof, step_overhead_s=loop.get(device, prof.step_overhead_s))
+        return ModelCost(models[tenant], prof, factors.get(device, {}))
+
+    for i in range(max(1, rounds)):
+        rep = replay(cluster, tenants, requests) if i == 0 else \
+            replay(cluster, tenants, requests, cost_of=cost_of, arrival_shift_s=path[0])
+        rep.costs = {d: ModelCost(c.config, load_profile(kinds[d])) for d, c in rep.costs.items()}
+        factors = correction_factors(meas, rep.segment_predictions())
+    learned = {"requests": len(phase.requests), "correction_factors": factors, "step_overhead_s": loop,
+               "dispatch_s": path[0], "delivery_s": path[1], "end_of_stream_s": path[2], "fit_rounds": rounds}
+    return cost_of, path, learned
+
+
+def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, min_count: int) -> dict[str, Any]:
+    """The replays and their errors; the headline is the calibrated one when a calibration phase exists.
+
+    ``in_sample`` is a diagnostic, not a prediction: the calibrated replay with everything learned from the
+    scored phase itself. What it still misses is what this model (one factor per segment bucket, one loop
+    overhead, one path delay) cannot explain even knowing the phase: per-request timing noise and load-dependent
+    effects, as opposed to what changed between the calibration and the scored phase."""
+    from services.cli.accuracy_sim import replay
+    from shared.costmodel import load_profile
 
     run = phases["run"]
     plain = replay(cluster, tenants, evaluated)
     floor = noise_floor(run)
     out: dict[str, Any] = {"profile_only": evaluate(run, plain, min_count, floor)}
     if "calibration" in phases and calibration:
-        cal = phases["calibration"]
-        cal_rep = replay(cluster, tenants, calibration)
-        factors = correction_factors(measured_segments(cal, pool_devices=False), cal_rep.segment_predictions())
-        loop = loop_overhead(cal)
-        d_in, d_out, d_done = path_latency(cal)
-        models = {t.name: t.model.config for t in tenants.tenants}
-        kinds = {d.id: d.kind for d in cluster.devices}
-
-        def cost_of(device: str, tenant: str) -> ModelCost:
-            prof = load_profile(kinds[device])
-            prof = dataclasses.replace(prof, step_overhead_s=loop.get(device, prof.step_overhead_s))
-            return ModelCost(models[tenant], prof, factors.get(device, {}))
-
+        cost_of, (d_in, d_out, d_done), learned = fit(cluster, tenants, phases["calibration"], calibration)
         calibrated = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out,
                             done_s=d_done)
         out["calibrated"] = evaluate(run, calibrated, min_count, floor)
@@ -310,11 +342,12 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
         out["online"] = evaluate(run, online, min_count, floor)
         out["online"]["drift"] = {d: {"mean": statistics.fmean(g for _, g in pts), "min": min(g for _, g in pts),
                                       "max": max(g for _, g in pts)} for d, pts in trend.items()}
-        out["calibration"] = {"requests": len(cal.requests), "correction_factors": factors,
-                              "step_overhead_s": loop, "dispatch_s": d_in, "delivery_s": d_out,
-                              "end_of_stream_s": d_done,
-                              "profile_step_overhead_s": {d: load_profile(k).step_overhead_s
-                                                          for d, k in kinds.items()}}
+        out["calibration"] = learned | {"profile_step_overhead_s": {d.id: load_profile(d.kind).step_overhead_s
+                                                                    for d in cluster.devices}}
+    own_cost, (i_in, i_out, i_done), own = fit(cluster, tenants, run, evaluated)
+    out["in_sample"] = evaluate(run, replay(cluster, tenants, evaluated, cost_of=own_cost, arrival_shift_s=i_in,
+                                            delivery_s=i_out, done_s=i_done), min_count, floor)
+    out["in_sample"]["learned"] = own
     head = out.get("calibrated", out["profile_only"])
     out["noise_floor"] = {k: {x: v[x] for x in ("median", "items", "groups")} for k, v in floor.items()}
     return {k: head[k] for k in ("segment_mape", "ttft_median_ape", "tpot_median_ape", "memory_error_pct_capacity",
@@ -323,6 +356,20 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
 
 
 # ---------------------------------------------------------------- the command
+NOISE_WINDOWS_S = (0.05, 0.2)  # about one TTFT and one request's decode on the default mesh
+
+
+def measure_machine_noise(seconds: float) -> list[dict[str, float]]:
+    """How steady the machine is before the mesh starts (:mod:`services.cli.machine_noise`), per window length."""
+    from services.cli.machine_noise import steadiness
+
+    if seconds <= 0:
+        return []
+    print(f"timing a fixed computation for {seconds * len(NOISE_WINDOWS_S):g} s (machine steadiness) ...",
+          file=sys.stderr)
+    return [steadiness(seconds, w) for w in NOISE_WINDOWS_S]
+
+
 def calibration_requests(tenants, seconds: float, rate_rps: float = 2.0, seed: int = 12345) -> list:
     """Synthetic calibration traffic: every tenant gets Poisson arrivals at ``rate_rps`` for ``seconds`` with
     prompts of 16–256 and outputs of 8–64 tokens (uniform), so every device runs decode batches and prefills of
@@ -375,9 +422,14 @@ def _fmt(x: float | None) -> str:
     return "–" if x is None or x != x else f"{x:.1%}"
 
 
+VARIANT_LABELS = {"profile_only": "profile only", "calibrated": "calibrated", "online": "online",
+                  "in_sample": "in-sample fit (diagnostic)"}
+
+
 def print_report(res: dict[str, Any]) -> None:
-    variants = [v for v in ("profile_only", "calibrated", "online") if v in res]
-    print("| error | target | " + " | ".join(v.replace("_", " ") for v in variants) + " |")
+    variants = [v for v in ("profile_only", "calibrated", "online", "in_sample") if v in res]
+    labels = " | ".join(VARIANT_LABELS[v] for v in variants)
+    print(f"| error | target | {labels} |")
     print("|---|---|" + "---:|" * len(variants))
     for key, label, target in (("segment_mape", "per-segment latency MAPE", "≤ 10%"),
                                ("ttft_median_ape", "TTFT median APE", "≤ 10%"),
@@ -390,12 +442,17 @@ def print_report(res: dict[str, Any]) -> None:
     if any(v["items"] for v in nf.values()):
         print("\nrequests alone on their device, grouped by identical work: the noise floor (best one-value-per-group "
               "predictor) against each variant on the same requests")
-        print("| metric | requests | noise floor | " + " | ".join(v.replace("_", " ") for v in variants) + " |")
+        print(f"| metric | requests | noise floor | {labels} |")
         print("|---|---:|---:|" + "---:|" * len(variants))
         for k, label in (("ttft", "TTFT median APE"), ("tpot", "TPOT median APE")):
             if nf.get(k, {}).get("items"):
                 print(f"| {label} | {nf[k]['items']} | {_fmt(nf[k]['median'])} | " + " | ".join(
                     _fmt(res[v]["detail"]["solo"].get(k, {}).get("median_ape")) for v in variants) + " |")
+    for n in res.get("machine_noise") or []:
+        print(f"\nmachine steadiness (one fixed single-threaded computation in {n['windows']} windows of "
+              f"{n['window_s'] * 1e3:g} ms, before the mesh started): median deviation from the median window "
+              f"{_fmt(n['median_abs_dev'])} (what a perfect predictor of fixed work scores), p10 {n['p10']:.2f}× / "
+              f"p90 {n['p90']:.2f}× the median, consecutive windows correlated {n['lag1_autocorr']:.2f}")
     seg = res[res["headline"]]["detail"]["segments"]
     print(f"\nsegment buckets scored: {seg['summary']['keys']} (≥ {seg['min_count']} executions); noise floor of "
           f"the measured means {_fmt(seg['summary']['noise_floor'])}")
@@ -431,9 +488,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"slicesched bench accuracy: --{name.replace('_', '-')} {getattr(args, name):g} differs from the "
                   f"{saved[name]:g} the raw measurements in {args.from_raw} were taken with", file=sys.stderr)
             return 2
-    if args.duration_s <= 0 or args.calibration_s < 0 or args.min_count < 1:
-        print("slicesched bench accuracy: --duration-s must be positive, --calibration-s >= 0 and --min-count >= 1",
-              file=sys.stderr)
+    shortest = round(3 * max(NOISE_WINDOWS_S), 6)
+    if args.duration_s <= 0 or args.calibration_s < 0 or args.min_count < 1 or not (
+            args.machine_noise_s == 0 or args.machine_noise_s >= shortest):
+        print("slicesched bench accuracy: --duration-s must be positive, --calibration-s >= 0, --min-count >= 1 "
+              f"and --machine-noise-s 0 or >= {shortest:g} (three windows of the longest)", file=sys.stderr)
         return 2
     if args.from_raw and not Path(args.from_raw).is_file():
         raise ConfigError(args.from_raw, "(file)", "raw measurements file not found")
@@ -459,7 +518,9 @@ def run(args: argparse.Namespace) -> int:
         if "run" not in phases:
             raise ConfigError(args.from_raw, "phases.run", "missing: the measured phase")
         calib = calib if "calibration" in phases else []
+        noise = raw.get("machine_noise") or []
     else:
+        noise = measure_machine_noise(args.machine_noise_s)
         plan = ([("calibration", calib)] if calib else []) + [("run", evaluated)]
         print(f"running the CPU mesh: {len(calib)} calibration + {len(evaluated)} measured requests ...",
               file=sys.stderr)
@@ -469,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
             Path(args.raw_out).write_text(json.dumps({
                 "settings": {"workload": args.workload, "duration_s": args.duration_s,
                              "calibration_s": args.calibration_s, "calibration_from": args.calibration_from},
-                "phases": {k: v.to_dict() for k, v in phases.items()}}))
+                "phases": {k: v.to_dict() for k, v in phases.items()}, "machine_noise": noise}))
     mesh_s = time.perf_counter() - t0
     res = analyse(phases, cluster, tenants, evaluated, calib, args.min_count)
     prof = load_profile(cluster.devices[0].kind)
@@ -478,7 +539,8 @@ def run(args: argparse.Namespace) -> int:
                requests=len(evaluated), machine=machine_description("cpu"),
                date=time.strftime("%Y-%m-%d", time.gmtime()), wall_s=time.perf_counter() - t0, mesh_s=mesh_s,
                profile={"kind": prof.kind, "source": prof.source, "file": prof.file},
-               machine_load={k: {x: v.meta.get(x) for x in ("loadavg_1m", "machine_busy")} for k, v in phases.items()})
+               machine_load={k: {x: v.meta.get(x) for x in ("loadavg_1m", "machine_busy")} for k, v in phases.items()},
+               machine_noise=noise)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(res, indent=1, default=str))

@@ -13,10 +13,14 @@ pytestmark = pytest.mark.e2e  # starts the whole mesh: ~30 s on 2 cores
 def test_accuracy_bench_runs_the_mesh_and_reports(tmp_path):
     out, raw = tmp_path / "acc.json", tmp_path / "raw.json"
     rc = main(["bench", "accuracy", "--duration-s", "4", "--calibration-s", "2", "--json", str(out),
-               "--raw-out", str(raw)])
+               "--raw-out", str(raw), "--machine-noise-s", "0.6"])
     assert rc == 0
     res = json.loads(out.read_text())
     phases = json.loads(raw.read_text())["phases"]
+    # the machine's steadiness, timed before the mesh started, per window length; saved with the measurements
+    assert [n["window_s"] for n in res["machine_noise"]] == [0.05, 0.2]
+    assert json.loads(raw.read_text())["machine_noise"] == res["machine_noise"]
+    assert all(n["windows"] >= 3 and n["min"] <= 1.0 <= n["max"] for n in res["machine_noise"])
     assert set(phases) == {"calibration", "run"}
     run = phases["run"]
     assert run["requests"] and all(r["status"] == "ok" for r in run["requests"])

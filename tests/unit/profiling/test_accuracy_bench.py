@@ -9,8 +9,9 @@ import pytest
 
 from services.cli.accuracy_mesh import MeshMeasurement, SegmentBucket
 from services.cli.accuracy_sim import replay
-from services.cli.bench_accuracy import (calibration_requests, correction_factors, drift, loop_overhead,
-                                         match_requests, measured_segments, noise_floor, path_latency, solo_groups)
+from services.cli.bench_accuracy import (calibration_requests, correction_factors, drift, evaluate, fit,
+                                         loop_overhead, match_requests, measured_arrivals, measured_segments,
+                                         noise_floor, path_latency, solo_groups)
 from services.cli.main import main
 from shared.config import REPO_CONFIGS, load_cluster, load_tenants
 from shared.costmodel import cost_for
@@ -164,10 +165,47 @@ def test_bench_from_saved_mesh_measurements(tmp_path, capsys):
     # weights and KV are accounted the same way on both sides: well under 5 % of capacity apart
     assert res["memory_error_pct_capacity"] < 0.05
     assert "per-segment latency MAPE" in capsys.readouterr().out
+    # the diagnostic fit on the scored phase itself reproduces every scored bucket's mean (the refit over the
+    # batches of a corrected replay makes it self-consistent); the calibrated prediction does not get that
+    assert res["in_sample"]["segment_mape"] < 0.02 < res["segment_mape"]
+    assert res["calibration"]["fit_rounds"] == 3 and res["machine_noise"] == []
+
+
+def test_fit_refits_factors_over_the_batches_of_the_corrected_replay(mesh_cfg):
+    """One round learns the factors against the uncorrected replay's batches, which are not the ones the mesh ran
+    (a slower device batches more); refitting over the corrected replay's batches closes the gap."""
+    cluster, tenants = mesh_cfg
+    run = MeshMeasurement.from_dict(json.loads(RAW.read_text())["phases"]["run"])
+    _, evaluated = measured_arrivals(str(REPO_CONFIGS / "workloads" / "tiny-bursty.yaml"), 6.0)
+    mape = []
+    for rounds in (1, 3):
+        cost_of, (d_in, d_out, d_done), learned = fit(cluster, tenants, run, evaluated, rounds=rounds)
+        assert learned["fit_rounds"] == rounds and learned["correction_factors"]
+        rep = replay(cluster, tenants, evaluated, cost_of=cost_of, arrival_shift_s=d_in, delivery_s=d_out,
+                     done_s=d_done)
+        mape.append(evaluate(run, rep, 20)["segment_mape"])
+    assert mape[1] < 0.02 and mape[0] > 5 * mape[1]
+
+
+def test_machine_noise_is_saved_with_the_raw_measurements_and_reported(tmp_path, capsys):
+    raw = json.loads(RAW.read_text())
+    noise = {"window_s": 0.05, "calls_per_window": 9, "windows": 80, "median_s": 0.05, "median_abs_dev": 0.057,
+             "p10": 0.88, "p90": 1.11, "min": 0.7, "max": 1.3, "lag1_autocorr": 0.71}
+    raw["machine_noise"] = [noise]
+    saved = tmp_path / "raw.json"
+    saved.write_text(json.dumps(raw))
+    out = tmp_path / "acc.json"
+    assert main(["bench", "accuracy", "--from-raw", str(saved), "--duration-s", "6", "--calibration-s", "3",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["machine_noise"] == [noise]
+    printed = capsys.readouterr().out
+    assert "machine steadiness" in printed and "80 windows of 50 ms" in printed and "5.7%" in printed
 
 
 def test_bench_rejects_bad_arguments(capsys):
     assert main(["bench", "accuracy", "--duration-s", "0"]) == 2
+    assert main(["bench", "accuracy", "--machine-noise-s", "-1"]) == 2
+    assert main(["bench", "accuracy", "--machine-noise-s", "0.3"]) == 2  # not three 200 ms windows
     assert main(["bench", "accuracy", "--workload", "/nonexistent.yaml"]) == 2
     err = capsys.readouterr().err
     assert "nonexistent.yaml" in err and "Traceback" not in err

@@ -2,14 +2,18 @@
 
 Runs the real mesh (:mod:`services.cli.accuracy_mesh`) on two phases: a short synthetic *calibration* load
 (:func:`calibration_requests`), then the *measured* arrivals (the first D seconds of a workload file). The
-measured arrivals are replayed in the simulator (:mod:`services.cli.accuracy_sim`) three ways:
+measured arrivals are replayed in the simulator (:mod:`services.cli.accuracy_sim`) three ways, and a fourth:
 
 * ``profile_only``: the shipped measured CPU profile as it is (what an offline ``slicesched simulate`` uses);
 * ``calibrated`` (the headline): as the live simulator service runs it, with per-(device, segment kind)
   correction factors, the serving loop's per-iteration overhead and the request path's latency (client →
   worker, worker → client), all learned from the calibration phase only;
 * ``online``: ``calibrated`` plus a causal drift factor per device, an EWMA of measured / predicted segment time
-  over the step reports that ended before each moment (what a live twin following the events stream knows).
+  over the step reports that ended before each moment (what a live twin following the events stream knows);
+* ``in_sample`` (a diagnostic, not a prediction): ``calibrated`` with everything learned from the scored phase
+  itself — what the model cannot explain even in hindsight.
+
+Before the mesh starts, the machine's own steadiness is timed (:mod:`services.cli.machine_noise`).
 
 Errors (:mod:`shared.costmodel.accuracy`): per-segment latency MAPE against the mean of each (segment, tokens
 bucket), request TTFT/TPOT absolute percentage error, memory over time as a fraction of device capacity.

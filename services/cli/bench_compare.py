@@ -34,6 +34,40 @@ FIDELITIES: dict[str, str] = {"sim": "services.cli.bench_compare:run_sim_point",
 SERIAL_FIDELITIES = {"emulated", "real"}  # one mesh at a time on this machine; the policies' points alternate
 
 
+class _Children:
+    """The subprocesses of the running comparison's points. On an interrupt (Ctrl-C, SIGTERM, a CI timeout) they
+    are terminated and no new point starts, so the comparison stops within seconds instead of carrying every
+    policy's search to its end on the pool's threads first."""
+
+    def __init__(self) -> None:
+        self.stopping = threading.Event()
+        self._live: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def run(self, cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+        with self._lock:
+            if self.stopping.is_set():
+                raise RuntimeError("comparison interrupted")
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+            self._live.add(p)
+        try:
+            out, err = p.communicate()
+        finally:
+            with self._lock:
+                self._live.discard(p)
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopping.set()
+            live = list(self._live)
+        for p in live:
+            p.terminate()
+
+
+CHILDREN = _Children()
+
+
 class _Turns:
     """Round-robin turns for the policies' searches of a serial fidelity: one point at a time, policy after
     policy (container, slice, container, slice, ...), so a drift of the machine's speed over the run reaches every
@@ -102,7 +136,7 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float) -> dict[s
             cmd += ["--seed", str(args.seed)]
         if args.duration_s is not None:
             cmd += ["--duration-s", repr(args.duration_s)]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        p = CHILDREN.run(cmd, Path(__file__).resolve().parents[2])
         if p.returncode != 0:
             raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
         r = json.loads(out.read_text())
@@ -223,6 +257,8 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
 
     def one_search(policy: str) -> dict[str, Any]:
         def at(scale: float) -> dict[str, Any]:
+            if CHILDREN.stopping.is_set():
+                raise RuntimeError("comparison interrupted")
             r = turns.run(policy, lambda: point(args, policy, scale)) if turns else point(args, policy, scale)
             with lock:
                 log.append({"policy": policy, "scale": scale, **{k: r[k] for k in ("tokens_per_s", "violation_rate",
@@ -243,8 +279,13 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     jobs = len(policies) if serial else max(1, args.jobs)  # serial: one thread per search, turns keep one point
+    CHILDREN.stopping.clear()
     with ThreadPoolExecutor(max_workers=jobs) as ex:
-        results = dict(ex.map(search, policies))
+        try:
+            results = dict(ex.map(search, policies))
+        except BaseException:  # an interrupt or a failed point: stop the other searches' points too
+            CHILDREN.stop()
+            raise
     res: dict[str, Any] = {"policies": {p: results[p] for p in policies}, "fidelity": args.fidelity,
                            "workload": args.workload, "cluster": args.cluster, "seed": args.seed,
                            "duration_s": args.duration_s, "containers": containers_of(args),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import yaml
@@ -211,3 +212,41 @@ def test_bench_compare_refuses_confirm_below_one(files, capsys):
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
                "--policies", "container", "--confirm", "0"])
     assert rc == 2 and "--confirm" in _one_line_error(capsys)
+
+
+def test_an_interrupt_stops_every_search_and_its_subprocesses(monkeypatch):
+    """Ctrl-C or SIGTERM during a comparison with parallel points: the running points' subprocesses are
+    terminated and no new point starts, so it stops at once instead of finishing every policy's search first."""
+    import argparse
+    import signal
+    import time as _time
+
+    from services.cli import bench_compare
+
+    started = []
+
+    def point(args, policy, scale):  # a point that would take 30 s in a subprocess
+        started.append(policy)
+        p = bench_compare.CHILDREN.run(["sleep", "30"], Path("."))
+        return {"tokens_per_s": 1.0, "violation_rate": 0.0 if p.returncode == 0 else 1.0}
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_compare, "_runner", lambda fidelity: point)
+    args = argparse.Namespace(fidelity="sim", start_scale=4.0, tolerance=0.05, max_scale=64.0, jobs=2,
+                              workload="w.yaml", cluster="c.yaml", seed=None, duration_s=None, containers=None)
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    t0 = _time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bench_compare.compare(args, ["container", "muxserve", "token-pool", "slice"])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert _time.monotonic() - t0 < 10
+    assert sorted(started) == ["container", "muxserve"]  # the two running; the queued two never started a point
+    with pytest.raises(RuntimeError, match="interrupted"):
+        bench_compare.CHILDREN.run(["true"], Path("."))
+    bench_compare.CHILDREN.stopping.clear()

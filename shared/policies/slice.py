@@ -154,6 +154,7 @@ class SlicePolicy(Policy):
                 g = self._seek(snapshot.devices[did], snapshot, whatif)
                 if g:
                     out.append(g)
+                    out += self._take_extra()  # every lease the search committed, as on the other triggers
                     break
         return out
 

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from shared.policies import POLICIES, PolicyConfigError, make_policy
+from shared.policies.actions import Trigger
 from shared.policies.sizing import device_counts
 from shared.registry import UnknownNameError
 from shared.sim import SimConfig, Simulator
@@ -231,3 +232,26 @@ def test_slice_share_for_a_guest_passes_the_what_ifs_own_check_on_that_guest():
         whatif._guest_side(snap, g, share, 1.0, breaks)
         assert "guest_ttft" not in breaks and "guest_tpot" not in breaks, (share, breaks)
     assert bound >= 20  # the sweep reaches the bound often enough to mean something
+
+
+@pytest.mark.parametrize("trigger", [Trigger("arrival", tenant="t0", device="a"), Trigger("lease_end", tenant="t0"),
+                                     Trigger("lease_revoked", tenant="t0")])
+def test_slice_commits_every_lease_its_search_picked_whatever_the_trigger(trigger):
+    """A search may pick up to ``max_commits`` leases (the best first); every trigger that searches commits all
+    of them — a lease ending used to commit only the first, dropping the rest."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from shared.policies.actions import GrantLease
+    pol = make_policy("slice")
+    pol.devices_of = {"t0": ["a"]}
+    grants = [GrantLease("t0", "a", g, ("*",), 5.0, 0.5, 0, mode="sequences") for g in ("b", "c", "d")]
+
+    def seek(d, snapshot, whatif):
+        pol._extra = grants[1:]
+        return grants[0]
+    pol._seek = seek
+    pol._protect = lambda d, s, w: []
+    snap = SimpleNamespace(devices={"a": SimpleNamespace(id="a")}, leases={})
+    assert pol.decide(trigger, snap, SimpleNamespace(same_snapshot=nullcontext)) == grants
+    assert pol._extra == []

@@ -37,9 +37,9 @@ def window_stats(durations: list[float]) -> dict[str, float]:
     if len(durations) < 3:
         raise ValueError("need at least 3 windows")
     med = statistics.median(durations)
-    r = sorted(d / med for d in durations)
-    n = len(r)
     seq = [d / med for d in durations]
+    r = sorted(seq)
+    n = len(r)
     try:
         lag1 = statistics.correlation(seq[:-1], seq[1:])
     except statistics.StatisticsError:  # constant durations

@@ -1,5 +1,5 @@
-"""Process launcher behind ``slicesched up``: a private Redis (or ``REDIS_URL``), then every service as its own
-process; waits until all report healthy; restarts a crashed service with backoff; stops everything on
+"""Process launcher behind ``slicesched up``: a private Redis (or a private Redis Cluster, or ``REDIS_URL``), then
+every service as its own process; waits until all report healthy; restarts a crashed service with backoff; stops everything on
 Ctrl-C/SIGTERM (services drain first, Redis last). Children get SIGTERM if the launcher itself dies."""
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis as syncredis
+from redis.exceptions import RedisClusterException
 
 from shared.config import DEFAULT_POLICY, ClusterConfig
-from shared.procutil import RedisServer, free_port
+from shared.procutil import LocalRedisCluster, RedisServer, free_port
+from shared.redis_util import is_cluster, sync_client
 from shared.service import health_key
 
 
@@ -75,7 +77,7 @@ class Launcher:
     def __init__(self, cluster: ClusterConfig, *, cluster_file: str, tenants_file: str, data_dir: Path,
                  gateway_host: str = "127.0.0.1", gateway_port: int = 8000, prefix: str = "slicesched:",
                  policy: str = DEFAULT_POLICY, redis_url: str | None = None, log_format: str = "json",
-                 extra_env: dict[str, str] | None = None, out=sys.stdout) -> None:
+                 extra_env: dict[str, str] | None = None, out=sys.stdout, redis_cluster: int = 0) -> None:
         self.cluster, self.data_dir, self.prefix = cluster, data_dir, prefix
         self.cluster_file, self.tenants_file = cluster_file, tenants_file
         self.gateway_host = gateway_host
@@ -84,6 +86,9 @@ class Launcher:
         self.policy, self.log_format, self.out = policy, log_format, out
         self.redis_url = redis_url
         self.redis_server: RedisServer | None = None
+        self.redis_cluster = redis_cluster  # > 0: start a private Redis Cluster with this many masters
+        self.local_cluster: LocalRedisCluster | None = None
+        self.cluster_mode = False
         self.children: list[Child] = []
         self.extra_env = extra_env or {}
         self._stopping = False
@@ -98,7 +103,8 @@ class Launcher:
                     "SLICESCHED_CLUSTER": self.cluster_file, "SLICESCHED_TENANTS": self.tenants_file,
                     "SLICESCHED_LOG_FORMAT": self.log_format, "SLICESCHED_GATEWAY_HOST": self.gateway_host,
                     "SLICESCHED_GATEWAY_PORT": str(self.gateway_port), "SLICESCHED_METRICS_PORT": "0",
-                    "SLICESCHED_POLICY": self.policy, "PYTHONUNBUFFERED": "1"})
+                    "SLICESCHED_POLICY": self.policy, "PYTHONUNBUFFERED": "1",
+                    "SLICESCHED_REDIS_CLUSTER": "1" if self.cluster_mode else "0"})
         env.update(self.extra_env)
         return env
 
@@ -123,9 +129,14 @@ class Launcher:
         """Start Redis (unless given) and every service, and wait until all are healthy; on any failure whatever
         was started is stopped again (no orphans) and the error raised."""
         try:
-            if not self.redis_url:
+            if not self.redis_url and self.redis_cluster:
+                self.local_cluster = LocalRedisCluster(self.data_dir / "redis-cluster",
+                                                       masters=self.redis_cluster).start()
+                self.redis_url = self.local_cluster.url
+            elif not self.redis_url:
                 self.redis_server = RedisServer(self.data_dir / "redis").start()
                 self.redis_url = self.redis_server.url
+            self.cluster_mode = is_cluster(self.redis_url)  # asked once here; the services are told
             self.children = self.plan()
             for c in self.children:
                 c.start()
@@ -146,7 +157,7 @@ class Launcher:
             raise
 
     def wait_healthy(self, timeout_s: float) -> None:
-        r = syncredis.Redis.from_url(self.redis_url, socket_timeout=2)
+        r = sync_client(self.redis_url, socket_timeout=2)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
@@ -176,7 +187,7 @@ class Launcher:
             try:
                 if r.hget(health_key(self.prefix, c.service, n), "ready") != b"1":
                     return False
-            except syncredis.RedisError:
+            except (syncredis.RedisError, RedisClusterException):
                 return False
         return True
 
@@ -214,6 +225,8 @@ class Launcher:
                     c.proc.wait(timeout=5)
         if self.redis_server is not None:
             self.redis_server.stop()
+        if self.local_cluster is not None:
+            self.local_cluster.stop()
 
     def cpu_seconds(self, client: bool = False) -> dict[str, float]:
         """CPU time (user + system, all threads) each running service and the private Redis have used so far, by
@@ -222,6 +235,9 @@ class Launcher:
         procs = [(c.name, c.proc) for c in self.children if c.proc is not None]
         if self.redis_server is not None and self.redis_server.proc is not None:
             procs.append(("redis", self.redis_server.proc))
+        for i, n in enumerate(self.local_cluster.nodes if self.local_cluster is not None else []):
+            if n.proc is not None:
+                procs.append((f"redis{i}", n.proc))
         out = {}
         for name, proc in procs:
             cpu = process_cpu_s(proc.pid)
@@ -232,9 +248,14 @@ class Launcher:
             out["client"] = r.ru_utime + r.ru_stime
         return out
 
+    def _redis_kind(self) -> str:
+        if self.local_cluster is not None:
+            return f" (Redis Cluster: {self.local_cluster.masters} masters + {self.local_cluster.replicas} replica each)"
+        return " (Redis Cluster)" if self.cluster_mode else ""
+
     def banner(self, dev_keys: dict[str, list[str]]) -> str:
         lines = [f"SliceScheduler is up: gateway {self.gateway_url}  (Ctrl-C stops everything)",
-                 f"  redis: {self.redis_url}  prefix: {self.prefix}  policy: {self.policy}",
+                 f"  redis: {self.redis_url}{self._redis_kind()}  prefix: {self.prefix}  policy: {self.policy}",
                  f"  logs:  {self.data_dir / 'logs'}"]
         for t, keys in dev_keys.items():
             for k in keys:

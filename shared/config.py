@@ -360,6 +360,19 @@ def dev_api_keys(path: str | Path) -> dict[str, list[str]]:
     return {t["name"]: list(t.get("api_keys") or []) for t in data.get("tenants", []) if isinstance(t, dict)}
 
 
+def redis_cluster_setting(env: Any = None) -> bool | None:
+    """``SLICESCHED_REDIS_CLUSTER``: True (``1``/``yes``: REDIS_URL is a Redis Cluster node), False (``0``/``no``:
+    a single server) or None (``auto``, the default: ask the server, see ``shared/redis_util.py``)."""
+    raw = str((os.environ if env is None else env).get("SLICESCHED_REDIS_CLUSTER", "auto")).strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("1", "yes", "true", "on"):
+        return True
+    if raw in ("0", "no", "false", "off"):
+        return False
+    raise ConfigError("environment", "SLICESCHED_REDIS_CLUSTER", f"{raw!r} is not one of auto, 1, 0")
+
+
 # ---------------------------------------------------------------- runtime settings
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -386,6 +399,7 @@ class Settings:
         if not url:
             raise ConfigError("environment", "REDIS_URL", "not set (the launcher sets it; or export REDIS_URL)")
         env_number("SLICESCHED_DRAIN_S", 20.0, float, minimum=0, env=e)  # read by every service's shell
+        redis_cluster_setting(e)  # read by shared/redis_util.py
         port = env_number("SLICESCHED_GATEWAY_PORT", 8000, int, minimum=0, maximum=65535, env=e)
         mport = env_number("SLICESCHED_METRICS_PORT", 0, int, minimum=0, maximum=65535, env=e)
         gw_host = e.get("SLICESCHED_GATEWAY_HOST", "127.0.0.1")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+from shared.redis_util import pipeline_script
+
 TERMINAL_STATES = frozenset({"done", "failed", "cancelled", "rejected"})
 TERMINAL_TTL_S = 3600
 
@@ -57,7 +59,6 @@ class TerminalFence:
 
     def __init__(self, redis, prefix: str, claimant: str, *, owner: str = "") -> None:
         self.redis, self.prefix, self.claimant, self.owner = redis, prefix, claimant, owner
-        self._script = redis.register_script(CLAIM_TERMINAL)
 
     async def claim(self, request_id: str, state: str) -> bool:
         """True if this claimant ended the request (it may now publish the result); False if it was fenced."""
@@ -72,7 +73,7 @@ class TerminalFence:
             raise ValueError(f"not terminal states: {bad}")
         pipe = self.redis.pipeline(transaction=False)
         now = f"{time.time():.6f}"
-        for rid, state in items:
-            await self._script(keys=[req_key(self.prefix, rid)],
-                               args=[state, now, self.owner, TERMINAL_TTL_S, self.claimant], client=pipe)
+        for rid, state in items:  # each claim touches one key: on a cluster they spread over the masters
+            pipeline_script(pipe, CLAIM_TERMINAL, [req_key(self.prefix, rid)],
+                            [state, now, self.owner, TERMINAL_TTL_S, self.claimant])
         return [bool(int(x)) for x in await pipe.execute()]

@@ -25,12 +25,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default=os.environ.get("SLICESCHED_PREFIX", "slicesched:"))
     p.add_argument("--log-format", default="json", choices=["json", "console"], help="services' log format")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for all services to be healthy")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="start a private Redis Cluster of N masters (N >= 3), one replica each, instead of one "
+                        "redis-server (ignored when REDIS_URL is set)")
 
 
 def run(args: argparse.Namespace) -> int:
     from services.launcher import Launcher
     from services.scheduler.policy import load_live_policy
 
+    if args.redis_cluster and args.redis_cluster < 3:
+        raise ConfigError("arguments", "--redis-cluster", f"a Redis Cluster needs at least 3 masters, not "
+                                                          f"{args.redis_cluster}")
     cluster = load_cluster(args.cluster)
     load_tenants(args.tenants, cluster)  # validate before starting anything
     if args.port is None:
@@ -49,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()),
                         tenants_file=str(Path(args.tenants).resolve()), data_dir=Path(args.data_dir).resolve(),
                         gateway_host=args.host, gateway_port=args.port, prefix=args.prefix, policy=args.policy,
-                        redis_url=os.environ.get("REDIS_URL") or None, log_format=args.log_format)
+                        redis_url=os.environ.get("REDIS_URL") or None, log_format=args.log_format,
+                        redis_cluster=args.redis_cluster)
     stop = {"flag": False}
 
     def on_signal(signum, frame):

@@ -26,7 +26,7 @@ from services.gateway.tokens import TokenRouter
 from shared.config import Settings, TenantConfig, TenantsConfig
 from shared.messages import CancelRequest, InferenceRequest, requests_stream, tokens_stream
 from shared.model.tokenizer import load_tokenizer
-from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
+from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client, disconnect_now
 from shared.service import ServiceShell, instance_id
 from shared.streams import StreamProducer
 
@@ -113,7 +113,7 @@ class GatewayService:
         self._loops_stop.set()
         self.shell.stop.set()
         try:  # wake the tokens XREAD (it blocks up to a second) by closing its connection
-            await asyncio.wait_for(self.blocking.connection_pool.disconnect(), timeout=1.0)
+            await asyncio.wait_for(disconnect_now(self.blocking), timeout=1.0)
         except (asyncio.TimeoutError, *REDIS_ERRORS):
             pass
         await asyncio.gather(*self._tasks, return_exceptions=True)

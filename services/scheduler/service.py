@@ -234,7 +234,9 @@ class SchedulerService:
             view.reserved += p.kv_bytes
             view.assigned += 1
             rid = p.req.request_id
-            pipe = self.redis.pipeline(transaction=True)
+            # not one MULTI: the two keys live in different slots on a Redis Cluster; the set is only a hint for
+            # a restarted scheduler, which checks each request's hash (_restore)
+            pipe = self.redis.pipeline(transaction=False)
             pipe.hset(req_key(self.p, rid), mapping={"state": "assigned", "device": dev, "kv_blocks": p.kv_blocks,
                                                      "worker_id": view.worker_id, "assigned_ts": time.time()})
             pipe.sadd(assigned_key(self.p, dev), rid)

@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import time
 
-import redis
 import structlog
+from redis.exceptions import RedisClusterException
 
 from shared.codec import encode
+from shared.redis_util import REDIS_ERRORS, sync_client
 from shared.streams import FIELD_MSG, FIELD_TYPE
 
 log = structlog.get_logger()
 
-SYNC_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+# a cluster client that cannot reach any node (RedisClusterException) is one more reason to fall back to the loop
+SYNC_ERRORS = (*REDIS_ERRORS, RedisClusterException)
 
 
 class DirectPublisher:
     def __init__(self, url: str, *, maxlen: int, timeout_s: float = 0.5, rest_s: float = 1.0,
                  name: str | None = None) -> None:
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                           socket_keepalive=True, client_name=name, retry_on_timeout=False)
+        self.url, self.timeout_s, self.name = url, timeout_s, name
+        self.client = None  # made at the first publish: a cluster client connects when it is made
         self.maxlen, self.rest_s = maxlen, rest_s
         self.resting_until = 0.0
         self.published = self.failures = 0
@@ -39,6 +41,9 @@ class DirectPublisher:
         """XADD every ``(stream, message)`` in one round trip; False (nothing is retried here) on a Redis error.
         A failed pipeline may have written some entries: the gateway drops repeated chunks by ``seq``."""
         try:
+            if self.client is None:
+                self.client = sync_client(self.url, socket_timeout=self.timeout_s,
+                                          socket_connect_timeout=self.timeout_s, retries=0, name=self.name)
             pipe = self.client.pipeline(transaction=False)
             for stream, msg in items:
                 pipe.xadd(stream, {FIELD_TYPE: type(msg).__name__, FIELD_MSG: encode(msg)}, maxlen=self.maxlen,
@@ -54,6 +59,7 @@ class DirectPublisher:
 
     def close(self) -> None:
         try:
-            self.client.close()
+            if self.client is not None:
+                self.client.close()
         except Exception:  # closing a broken connection must not mask the shutdown
             pass

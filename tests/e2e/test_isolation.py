@@ -1,5 +1,5 @@
-"""Tenant isolation on the whole mesh (RELIABILITY row 19), started like ``make up`` with a tenants file that holds
-only key hashes and puts a quota on tiny-a.
+"""Tenant isolation on the whole mesh (RELIABILITY row 19), started like ``make up --redis-cluster 3`` (a 3-master
+Redis Cluster) with a tenants file that holds only key hashes and puts a quota on tiny-a.
 
 * a key reaches only its tenant: another tenant's model is 403, ``/v1/models`` lists only its own, a
   client-chosen request id is ignored, and token entries written for A's request under tenant B's name are dropped
@@ -55,7 +55,7 @@ def _tenants_file(path) -> None:
 def iso(tmp_path_factory):
     conf = tmp_path_factory.mktemp("iso-conf") / "tenants.yaml"
     _tenants_file(conf)
-    m = start_mesh(tmp_path_factory.mktemp("iso-mesh"), extra_args=["--tenants", str(conf)])
+    m = start_mesh(tmp_path_factory.mktemp("iso-mesh"), extra_args=["--tenants", str(conf)], redis_cluster=3)
     try:
         yield m
     finally:

@@ -1,4 +1,5 @@
-"""The whole mesh, started like ``make up``, driven with the official openai client."""
+"""The whole mesh, started like ``make up --redis-cluster 3`` (every service on a 3-master Redis Cluster), driven with
+the official openai client. The other e2e modules run on a single redis-server."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,11 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 KEYS = {"tiny-a": "sk-dev-tiny-a-0001", "tiny-b": "sk-dev-tiny-b-0001"}
+
+
+@pytest.fixture(scope="module")
+def mesh(cluster_mesh):
+    return cluster_mesh
 
 
 def _client(mesh, tenant: str) -> openai.AsyncOpenAI:

@@ -1,4 +1,5 @@
-"""Start the mesh exactly as ``make up`` does (``slicesched up``: private Redis, one process per service)."""
+"""Start the mesh exactly as ``make up`` does (``slicesched up``: private Redis, one process per service); with
+``redis_cluster=N``, as ``slicesched up --redis-cluster N`` does (a private Redis Cluster of N masters)."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis as syncredis
+
+from shared.redis_util import sync_client
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +26,7 @@ class Mesh:
     data_dir: Path
 
     def redis(self) -> syncredis.Redis:
-        return syncredis.Redis.from_url(self.redis_url, socket_timeout=5)
+        return sync_client(self.redis_url, socket_timeout=5)
 
     def pid_of(self, service: str, name: str) -> int:
         v = self.redis().hget(f"{self.prefix}health:{service}:{name}", "pid")
@@ -35,8 +38,10 @@ class Mesh:
 
 
 def start_mesh(tmp: Path, *, extra_args: list[str] | None = None, env: dict | None = None,
-               timeout_s: float = 240) -> Mesh:
+               timeout_s: float = 240, redis_cluster: int = 0) -> Mesh:
     prefix = "e2e:"
+    if redis_cluster:
+        extra_args = [*(extra_args or []), "--redis-cluster", str(redis_cluster)]
     e = dict(os.environ)
     e.pop("REDIS_URL", None)
     e.update(env or {})

@@ -1,4 +1,8 @@
-"""Shared fixtures: a real redis-server per test session (or $REDIS_URL), a unique key prefix per test."""
+"""Shared fixtures: a real redis-server per test session (or $REDIS_URL), a real 3-master Redis Cluster per session
+when a test asks for one (or $REDIS_CLUSTER_URL), a unique key prefix per test.
+
+``redis_url`` is the single server; a module that should also run against the cluster imports the parametrized
+``redis_url`` of ``support/redis_kinds.py``."""
 from __future__ import annotations
 
 import os
@@ -7,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from shared.procutil import RedisServer
+from shared.procutil import LocalRedisCluster, RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 TRACES = Path(os.environ.get("SLICESCHED_TRACES", REPO.parent / "shared" / "traces"))
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory) -> str:
+def redis_server_url(tmp_path_factory) -> str:
     url = os.environ.get("REDIS_URL")
     if url:
         yield url
@@ -24,6 +28,25 @@ def redis_url(tmp_path_factory) -> str:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server_url) -> str:
+    return redis_server_url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory) -> str:
+    """A node of a private Redis Cluster: 3 masters with one replica each, on loopback."""
+    url = os.environ.get("REDIS_CLUSTER_URL")
+    if url:
+        yield url
+        return
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3).start()
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

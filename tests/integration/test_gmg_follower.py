@@ -14,6 +14,7 @@ from shared.gmg.leases import Lease, LeaseStore
 from shared.messages import RequestStarted, StepReport, WorkerHeartbeat
 from shared.redis_util import command_client
 from services.gmg.core import GMGCore
+from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
 
 pytestmark = pytest.mark.integration
 

@@ -13,6 +13,7 @@ from shared.messages import (DeviceDown, RequestFinished, RequestStarted, Segmen
                              events_stream)
 from shared.streams import StreamProducer
 from services.gmg.service import GMGService
+from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
 
 pytestmark = pytest.mark.integration
 

@@ -8,6 +8,7 @@ import pytest
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.redis_util import command_client
+from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
 
 pytestmark = pytest.mark.integration
 

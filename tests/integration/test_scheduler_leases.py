@@ -13,6 +13,7 @@ from shared.gmg.leases import LeaseStore
 from shared.messages import LeaseGranted, WorkerMsg, worker_stream
 from shared.policies import GrantLease, RevokeLease
 from shared.streams import StreamProducer, entry_payload
+from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
 
 pytestmark = pytest.mark.integration
 

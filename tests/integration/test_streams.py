@@ -10,6 +10,7 @@ from shared.messages import (AssignRequest, CancelRequest, InferenceRequest, Req
                              WorkerHeartbeat, dead_stream, requests_stream)
 from shared.redis_util import blocking_client
 from shared.streams import ACK, StreamConsumer, StreamProducer, safe_trim
+from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
 
 pytestmark = pytest.mark.integration
 

@@ -399,7 +399,8 @@ class Settings:
         if not url:
             raise ConfigError("environment", "REDIS_URL", "not set (the launcher sets it; or export REDIS_URL)")
         env_number("SLICESCHED_DRAIN_S", 20.0, float, minimum=0, env=e)  # read by every service's shell
-        redis_cluster_setting(e)  # read by shared/redis_util.py
+        redis_cluster_setting(e)  # read by shared/redis_util.py, as is:
+        env_number("SLICESCHED_REDIS_WAIT_MS", 100, int, minimum=0, env=e)
         port = env_number("SLICESCHED_GATEWAY_PORT", 8000, int, minimum=0, maximum=65535, env=e)
         mport = env_number("SLICESCHED_METRICS_PORT", 0, int, minimum=0, maximum=65535, env=e)
         gw_host = e.get("SLICESCHED_GATEWAY_HOST", "127.0.0.1")

@@ -160,19 +160,34 @@ class LocalRedisCluster:
     def node_at(self, port: int) -> RedisServer:
         return next(n for n in self.nodes if n.port == port)
 
+    def _live(self) -> RedisServer:
+        return next(n for n in self.nodes if n.proc is not None and n.proc.poll() is None)
+
+    def _table(self) -> list[list[str]]:
+        """``CLUSTER NODES`` as seen by a running node, one split line per node."""
+        return [line.split() for line in self._live().cli("CLUSTER", "NODES").splitlines() if line.strip()]
+
+    def _port(self, row: list[str]) -> int:
+        return int(row[1].split("@")[0].rsplit(":", 1)[1])
+
     def master_of(self, key: str) -> RedisServer:
         """The node that serves ``key``'s slot now (asked of a running node)."""
-        live = next(n for n in self.nodes if n.proc is not None and n.proc.poll() is None)
-        slot = int(live.cli("CLUSTER", "KEYSLOT", key).strip())
-        for line in live.cli("CLUSTER", "NODES").splitlines():
-            parts = line.split()
-            if "master" not in parts[2] or "fail" in parts[2]:
+        return self.master_of_slot(int(self._live().cli("CLUSTER", "KEYSLOT", key).strip()))
+
+    def master_of_slot(self, slot: int) -> RedisServer:
+        for row in self._table():
+            if "master" not in row[2] or "fail" in row[2]:
                 continue
-            for rng in parts[8:]:
+            for rng in row[8:]:
                 lo, _, hi = rng.partition("-")
                 if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
-                    return self.node_at(int(parts[1].split("@")[0].rsplit(":", 1)[1]))
+                    return self.node_at(self._port(row))
         raise RuntimeError(f"no master serves slot {slot}")
+
+    def replicas_of(self, master: RedisServer) -> list[RedisServer]:
+        rows = self._table()
+        mid = next(r[0] for r in rows if self._port(r) == master.port)
+        return [self.node_at(self._port(r)) for r in rows if r[3] == mid and "fail" not in r[2]]
 
     def stop(self) -> None:
         for n in self.nodes:

@@ -16,9 +16,9 @@ as ``{gmg}``), and a script called inside a pipeline goes as EVAL (:func:`pipeli
 from __future__ import annotations
 
 import asyncio
-import os
+import hashlib
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import redis
 import redis.asyncio as aioredis
@@ -28,12 +28,15 @@ from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import RedisCluster as SyncRedisCluster
-from redis.exceptions import ClusterDownError, ResponseError, SlotNotCoveredError, TryAgainError
+import structlog
+from redis.exceptions import ClusterDownError, NoScriptError, ResponseError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
-from shared.config import redis_cluster_setting
+from shared.config import env_number, redis_cluster_setting
+
+log = structlog.get_logger()
 
 # Transient trouble: the server is unreachable or stalled, or (cluster) a slot's master failed and its replica is
 # not promoted yet. Callers retry these; anything else is a bug or a refusal.
@@ -44,11 +47,12 @@ _MODES: dict[str, bool] = {}
 PROBE_WAIT_S = 10.0
 
 
-class RedisModeUnknown(RuntimeError):
-    """``SLICESCHED_REDIS_CLUSTER=auto`` and the server could not be asked whether it is a cluster node."""
+class RedisModeUnknown(RedisConnectionError):
+    """``SLICESCHED_REDIS_CLUSTER=auto`` and the server could not be asked whether it is a cluster node (a
+    connection error: callers treat it as Redis being down)."""
 
 
-def is_cluster(url: str, *, wait_s: float = PROBE_WAIT_S) -> bool:
+def is_cluster(url: str, *, wait_s: float = PROBE_WAIT_S, connect_timeout_s: float = 2.0) -> bool:
     """True if ``url`` names a Redis Cluster node: ``SLICESCHED_REDIS_CLUSTER`` when it says so, else asked once
     per process (``CLUSTER MYID``), retrying for up to ``wait_s`` while the server is unreachable."""
     forced = redis_cluster_setting()
@@ -58,7 +62,8 @@ def is_cluster(url: str, *, wait_s: float = PROBE_WAIT_S) -> bool:
         return _MODES[url]
     deadline = time.monotonic() + wait_s
     while True:
-        r = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0, retry=None)
+        r = redis.Redis.from_url(url, socket_timeout=connect_timeout_s, socket_connect_timeout=connect_timeout_s,
+                                 retry=None)
         try:
             r.execute_command("CLUSTER", "MYID")
             mode = True
@@ -129,12 +134,59 @@ def _cluster(url: str, *, max_connections: int, pool_timeout_s: float, socket_ti
         require_full_coverage=False, client_name=name)
 
 
+class _Deferred:
+    """A client made at its first use, for a process that started while Redis was unreachable and had to ask it
+    whether it is a cluster node (``auto``). Until Redis answers, every use raises :class:`RedisModeUnknown` (a
+    connection error) at once, asking again at most every ``retry_s``."""
+
+    def __init__(self, url: str, make: Callable[[bool], Any], retry_s: float = 0.5) -> None:
+        self._url, self._make, self._retry_s = url, make, retry_s
+        self._client: Any = None
+        self._next = 0.0
+
+    def resolve(self) -> Any:
+        if self._client is None:
+            if time.monotonic() < self._next:
+                raise RedisModeUnknown(f"Redis at {self._url} not reachable yet")
+            self._next = time.monotonic() + self._retry_s
+            self._client = self._make(is_cluster(self._url, wait_s=0, connect_timeout_s=0.5))
+        return self._client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.resolve(), name)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def _made(url: str, make: Callable[[bool], Any]) -> Any:
+    try:
+        return make(is_cluster(url, wait_s=0, connect_timeout_s=0.5))
+    except RedisModeUnknown:
+        return _Deferred(url, make)
+
+
+def unwrap(client: Any) -> Any:
+    """The real client behind a deferred one (raises a connection error while Redis is unreachable)."""
+    return client.resolve() if isinstance(client, _Deferred) else client
+
+
 def command_client(url: str, *, max_connections: int = 64, pool_timeout_s: float = 5.0,
                    socket_timeout_s: float = 5.0, name: str | None = None) -> aioredis.Redis:
     """The client for commands (a :class:`redis.asyncio.RedisCluster` on a cluster)."""
-    if is_cluster(url):
-        return _cluster(url, max_connections=max_connections, pool_timeout_s=pool_timeout_s,
-                        socket_timeout_s=socket_timeout_s, retries=3, name=name, health_check_interval=15)
+    def make(cluster: bool) -> aioredis.Redis:
+        if cluster:
+            return _cluster(url, max_connections=max_connections, pool_timeout_s=pool_timeout_s,
+                            socket_timeout_s=socket_timeout_s, retries=3, name=name, health_check_interval=15)
+        return _single(url, max_connections=max_connections, pool_timeout_s=pool_timeout_s,
+                       socket_timeout_s=socket_timeout_s, name=name)
+
+    return _made(url, make)
+
+
+def _single(url: str, *, max_connections: int, pool_timeout_s: float, socket_timeout_s: float,
+            name: str | None) -> aioredis.Redis:
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=pool_timeout_s, socket_timeout=socket_timeout_s,
         socket_connect_timeout=3.0, socket_keepalive=True, health_check_interval=15,
@@ -147,22 +199,27 @@ def command_client(url: str, *, max_connections: int = 64, pool_timeout_s: float
 
 def blocking_client(url: str, *, block_ms: int, name: str | None = None) -> aioredis.Redis:
     """A client for blocking reads: socket timeout = block time + 2 s, no retries (one connection per node)."""
-    if is_cluster(url):
-        return _cluster(url, max_connections=2, pool_timeout_s=5.0, socket_timeout_s=block_ms / 1000.0 + 2.0,
-                        retries=0, name=name)
-    pool = BlockingConnectionPool.from_url(
-        url, max_connections=2, timeout=5.0, socket_timeout=block_ms / 1000.0 + 2.0, socket_connect_timeout=3.0,
-        socket_keepalive=True, retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=0),
-        client_name=name,
-    )
-    return aioredis.Redis(connection_pool=pool)
+    def make(cluster: bool) -> aioredis.Redis:
+        if cluster:
+            return _cluster(url, max_connections=2, pool_timeout_s=5.0, socket_timeout_s=block_ms / 1000.0 + 2.0,
+                            retries=0, name=name)
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=2, timeout=5.0, socket_timeout=block_ms / 1000.0 + 2.0, socket_connect_timeout=3.0,
+            socket_keepalive=True, retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=0),
+            client_name=name,
+        )
+        return aioredis.Redis(connection_pool=pool)
+
+    return _made(url, make)
 
 
 def sync_client(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: float | None = None,
-                retries: int = 3, name: str | None = None) -> redis.Redis:
-    """A synchronous client (launcher, inspect, the worker's compute-thread publisher), cluster-aware likewise."""
+                retries: int = 3, name: str | None = None, wait_s: float = PROBE_WAIT_S) -> redis.Redis:
+    """A synchronous client (launcher, inspect, the worker's compute-thread publisher), cluster-aware likewise
+    (asks the server for up to ``wait_s`` in ``auto`` mode, then raises :class:`RedisModeUnknown`). A cluster
+    client connects when it is made."""
     connect = socket_connect_timeout if socket_connect_timeout is not None else min(socket_timeout, 3.0)
-    if is_cluster(url):
+    if is_cluster(url, wait_s=wait_s, connect_timeout_s=min(connect, 2.0)):
         return SyncRedisCluster.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=connect, socket_keepalive=True,
             client_name=name, require_full_coverage=False,
@@ -173,14 +230,88 @@ def sync_client(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout
                                 retry=SyncRetry(NoBackoff(), retries) if retries else None)
 
 
-def pipeline_script(pipe: Any, script: str, keys: list[str], args: list[Any]) -> None:
-    """Queue a Lua script in a pipeline. As EVAL: a cluster pipeline refuses EVALSHA, and Redis keeps the
-    compiled script in its cache either way, so only the text travels again."""
-    pipe.eval(script, len(keys), *keys, *args)
+class LuaScript:
+    """A Lua script run by its SHA1 inside a pipeline (:func:`run_pipeline` loads it where a node lacks it)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    def queue(self, pipe: Any, keys: list[str], args: list[Any]) -> None:
+        # as a raw command: redis-py's cluster pipeline refuses its evalsha() method, not the command
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+
+_WAIT_REST_S = 5.0  # after a WAIT that no replica answered in time, that master's writes go without it this long
+_wait_rest: dict[str, float] = {}
+unreplicated_writes = 0  # WAITs that timed out (a metric for tests and logs)
+
+
+def wait_ms() -> int:
+    """``SLICESCHED_REDIS_WAIT_MS`` (default 100): how long a write that hands a request on waits for a replica to
+    acknowledge it (see docs/reliability.md, row 22); 0 turns the WAIT off."""
+    return env_number("SLICESCHED_REDIS_WAIT_MS", 100, int, minimum=0)
+
+
+def _masters_with_replicas(client: Any, keys: Iterable[str]) -> list:
+    """The masters (cluster nodes) serving ``keys`` that have a replica and are not resting from a failed WAIT."""
+    if not isinstance(client, AsyncRedisCluster) or not wait_ms():
+        return []  # a single server: none in this project's deployments (docs/deployment.md)
+    now, out = time.monotonic(), {}
+    for k in keys:
+        owners = client.nodes_manager.slots_cache.get(client.keyslot(k)) or []
+        if len(owners) > 1 and _wait_rest.get(owners[0].name, 0.0) <= now:
+            out[owners[0].name] = owners[0]
+    return list(out.values())
+
+
+async def run_pipeline(client: Any, build: Callable[[Any], None], *, scripts: Iterable[LuaScript] = (),
+                       replicate: Iterable[str] = ()) -> list:
+    """Run the commands ``build(pipe)`` queues in one pipeline (not a transaction) and return their replies.
+
+    ``scripts``: the :class:`LuaScript` s it may call; a node that does not know one (a fresh or promoted master)
+    gets it loaded and the pipeline runs once more, so its commands must be idempotent or scripts.
+    ``replicate``: keys whose writes must reach a replica before this returns: on a Redis Cluster a ``WAIT 1`` goes
+    to each master serving them, on the same connection as the writes, so it covers them (``SLICESCHED_REDIS_WAIT_MS``
+    bounds the wait; a WAIT that times out is logged and that master is not waited on for 5 s)."""
+    client = unwrap(client)
+    if isinstance(client, AsyncRedisCluster) and client._initialize:
+        await client.initialize()
+    keys = list(replicate)
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        build(pipe)
+        n = len(pipe)
+        masters = _masters_with_replicas(client, keys)
+        for node in masters:
+            pipe.execute_command("WAIT", 1, wait_ms(), target_nodes=node)
+        try:
+            replies = await pipe.execute()
+        except NoScriptError:
+            if attempt == 2:
+                raise
+            for s in scripts:
+                await client.script_load(s.text)  # on a cluster: every master
+            continue
+        _check_waits(masters, replies[n:])
+        return replies[:n]
+    raise AssertionError("unreachable")
+
+
+def _check_waits(masters: list, replies: list) -> None:
+    global unreplicated_writes
+    for node, acked in zip(masters, replies):
+        if int(acked) < 1:
+            unreplicated_writes += 1
+            _wait_rest[node.name] = time.monotonic() + _WAIT_REST_S
+            log.warning("redis_write_unreplicated", master=node.name, wait_ms=wait_ms())
 
 
 async def disconnect_now(client: aioredis.Redis) -> None:
     """Close every connection of ``client`` at once (wakes a blocked XREAD); the client reconnects if used."""
+    if isinstance(client, _Deferred) and client._client is None:
+        return
+    client = unwrap(client)
     if isinstance(client, AsyncRedisCluster):
         for node in client.get_nodes():
             await node.disconnect()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from shared.redis_util import pipeline_script
+from shared.redis_util import LuaScript, run_pipeline
 
 TERMINAL_STATES = frozenset({"done", "failed", "cancelled", "rejected"})
 TERMINAL_TTL_S = 3600
@@ -50,6 +50,8 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
+_CLAIM = LuaScript(CLAIM_TERMINAL)
+
 
 class TerminalFence:
     """Claims the single terminal transition of requests for one claimant (a worker instance or the scheduler).
@@ -71,9 +73,13 @@ class TerminalFence:
         bad = [s for _, s in items if s not in TERMINAL_STATES]
         if bad:
             raise ValueError(f"not terminal states: {bad}")
-        pipe = self.redis.pipeline(transaction=False)
         now = f"{time.time():.6f}"
-        for rid, state in items:  # each claim touches one key: on a cluster they spread over the masters
-            pipeline_script(pipe, CLAIM_TERMINAL, [req_key(self.prefix, rid)],
-                            [state, now, self.owner, TERMINAL_TTL_S, self.claimant])
-        return [bool(int(x)) for x in await pipe.execute()]
+        keys = [req_key(self.prefix, rid) for rid, _ in items]
+
+        def build(pipe) -> None:
+            for key, (_, state) in zip(keys, items):  # one key each: on a cluster they spread over the masters
+                _CLAIM.queue(pipe, [key], [state, now, self.owner, TERMINAL_TTL_S, self.claimant])
+
+        # a claim decides who publishes the result: it must survive a failover of its master (WAIT)
+        replies = await run_pipeline(self.redis, build, scripts=[_CLAIM], replicate=keys)
+        return [bool(int(x)) for x in replies]

@@ -20,7 +20,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from shared.codec import DecodeError, decode, encode
-from shared.redis_util import REDIS_ERRORS
+from shared.redis_util import REDIS_ERRORS, run_pipeline
 
 log = structlog.get_logger()
 
@@ -32,25 +32,36 @@ FIELD_MSG = b"m"
 
 
 class StreamProducer:
-    """XADD of typed messages; ``maxlen`` only for streams without groups that must stay bounded."""
+    """XADD of typed messages; ``maxlen`` only for streams without groups that must stay bounded.
+
+    ``durable=True`` (a message that hands a request on, whose sender then forgets it): on a Redis Cluster the call
+    returns only after a replica of the stream's master has the entry too (``WAIT``, :func:`run_pipeline`), so a
+    failover cannot lose it."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
 
-    async def add(self, stream: str, msg: msgspec.Struct, *, maxlen: int | None = None) -> str:
+    async def add(self, stream: str, msg: msgspec.Struct, *, maxlen: int | None = None, durable: bool = False) -> str:
         fields = {FIELD_TYPE: type(msg).__name__, FIELD_MSG: encode(msg)}
-        entry_id = await self.redis.xadd(stream, fields, maxlen=maxlen, approximate=True)
+        if durable:
+            entry_id = (await run_pipeline(self.redis, lambda p: p.xadd(stream, fields, maxlen=maxlen,
+                                                                        approximate=True), replicate=[stream]))[0]
+        else:
+            entry_id = await self.redis.xadd(stream, fields, maxlen=maxlen, approximate=True)
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
-    async def add_many(self, items: list[tuple[str, msgspec.Struct]], *, maxlen: int | None = None) -> None:
+    async def add_many(self, items: list[tuple[str, msgspec.Struct]], *, maxlen: int | None = None,
+                       durable: bool = False) -> None:
         """Several XADDs in one round trip (not atomic)."""
         if not items:
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, msg in items:
-            pipe.xadd(stream, {FIELD_TYPE: type(msg).__name__, FIELD_MSG: encode(msg)}, maxlen=maxlen,
-                      approximate=True)
-        await pipe.execute()
+
+        def build(pipe) -> None:
+            for stream, msg in items:
+                pipe.xadd(stream, {FIELD_TYPE: type(msg).__name__, FIELD_MSG: encode(msg)}, maxlen=maxlen,
+                          approximate=True)
+
+        await run_pipeline(self.redis, build, replicate=[s for s, _ in items] if durable else ())
 
 
 def entry_payload(fields: dict) -> bytes | None:

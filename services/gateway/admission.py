@@ -1,10 +1,11 @@
 """Admission control: per-tenant bounded in-flight and quotas (429), an SLA-driven adaptive per-tenant limit and a
 global in-flight bound (503).
 
-Pure and single-threaded (the gateway's event loop); the clock is injected so tests can move time. Bounds are per
-gateway instance: with several replicas behind a load balancer each enforces its share. The adaptive limit
-(:mod:`services.gateway.sla_limit`) learns from the TTFT and TPOT of the tenant's completed requests, fed by
-:meth:`Admission.progress` as their chunks arrive.
+Pure and single-threaded (the gateway's event loop); the clock is injected so tests can move time. These are this
+instance's own counts; the same bounds across every gateway replica are then checked and counted in Redis
+(:mod:`services.gateway.quota_store`, whose refusals :func:`shared_refusal` words like the local ones). The adaptive
+limit (:mod:`services.gateway.sla_limit`) stays per instance: it learns from the TTFT and TPOT of the tenant's
+completed requests at this gateway, fed by :meth:`Admission.progress` as their chunks arrive.
 """
 from __future__ import annotations
 
@@ -161,6 +162,21 @@ class Admission:
             if need <= 0:
                 return max(1, math.ceil(ts + WINDOW_S - now))
         return int(WINDOW_S)
+
+
+def shared_refusal(tenant: TenantConfig, reason: str, count: int, retry_after_s: int, max_inflight: int) -> ApiError:
+    """The 429/503 for a bound that the counts of all gateways together reached (see ``quota_store.py``)."""
+    if reason == "queue_full":
+        return _quota(f"tenant '{tenant.name}' has {count} requests in flight across the gateways, its queue bound "
+                      f"is {tenant.max_queue}", "queue_full", retry_after_s)
+    if reason == "concurrency":
+        return _quota(f"tenant '{tenant.name}' is at its concurrency quota of {tenant.quota.max_concurrency} "
+                      f"requests (across the gateways)", "concurrency_quota_exceeded", retry_after_s)
+    if reason == "tokens":
+        return _quota(f"tenant '{tenant.name}' would exceed its quota of {tenant.quota.tokens_per_min} tokens per "
+                      f"minute (used {count} across the gateways)", "tokens_quota_exceeded", retry_after_s)
+    return overloaded(f"the gateways have {count} requests in flight (bound {max_inflight})", "overloaded",
+                      retry_after_s)
 
 
 def _quota(message: str, code: str, retry_after_s: int) -> ApiError:

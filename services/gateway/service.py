@@ -15,11 +15,12 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.admission import Admission, overloaded
+from services.gateway.admission import Admission, overloaded, shared_refusal
 from services.gateway.core import (ApiError, GatewayLimits, KeyIndex, ParsedRequest, check_content_type,
                                    check_context, check_token_ids, decode_json, parse_request, render_prompt)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
+from services.gateway.quota_store import QuotaStore
 from services.gateway.responses import http_error
 from services.gateway.streaming import OUTCOME_RECORDED, REQUEST_ID, TENANT, RequestContext, respond
 from services.gateway.tokens import TokenRouter
@@ -55,6 +56,8 @@ class GatewayService:
         self.metrics = GatewayMetrics(self.shell.registry)
         self.keys = KeyIndex(tenants)
         self.admission = Admission(self.limits.max_inflight, sla_fraction=self.limits.admit_sla_fraction)
+        self.quota = QuotaStore(self.redis, settings.prefix, self.gateway_id, max_inflight=self.limits.max_inflight,
+                                timeout_s=self.limits.redis_op_timeout_s)
         self.producer = StreamProducer(self.redis)
         self.requests_stream = requests_stream(settings.prefix)
         self.router = TokenRouter(cmd=self.redis, blocking=self.blocking,
@@ -94,7 +97,8 @@ class GatewayService:
         self.shell.port = self.port
         self._tasks = [asyncio.create_task(self.router.run(self._loops_stop), name="tokens_read"),
                        asyncio.create_task(self.router.housekeeping_loop(self._loops_stop), name="tokens_housekeeping"),
-                       asyncio.create_task(self.shell.heartbeat_loop(self._health_extra), name="heartbeat")]
+                       asyncio.create_task(self.shell.heartbeat_loop(self._health_extra), name="heartbeat"),
+                       asyncio.create_task(self.quota.renew_loop(self._loops_stop), name="quota_renew")]
         self.shell.ready = True
         log.info("gateway_listening", host=self.host, port=self.port, gateway=self.gateway_id,
                  tenants=self.tenants.names(), stream_interval_ms=self.limits.stream_interval_ms)
@@ -120,6 +124,7 @@ class GatewayService:
         if self._cancels:
             await asyncio.wait(list(self._cancels), timeout=self.limits.redis_op_timeout_s)
         await self.router.delete_stream()
+        await self.quota.leave()
         await close_quietly(self.blocking, self.redis)
         log.info("gateway_stopped")
 
@@ -238,6 +243,7 @@ class GatewayService:
         if time.monotonic() - self._redis_failed_at < REDIS_FAST_FAIL_S:
             raise overloaded("the request queue (Redis) is unreachable", "redis_unavailable", REDIS_RETRY_AFTER_S)
         ticket = self.admission.admit(tenant, len(prompt_ids) + parsed.max_tokens)
+        await self._admit_shared(tenant, rid, ticket)
         self.metrics.inflight.labels(tenant.name).set(self.admission.inflight(tenant.name))
         pending = self.router.register(rid, tenant.name, on_chunk=lambda c: self.admission.progress(
             ticket, tokens=len(c.token_ids), finished=c.finish_reason is not None,
@@ -249,7 +255,8 @@ class GatewayService:
                 stop=list(parsed.stop), ignore_eos=parsed.ignore_eos, arrival_ts=arrival_ts,
                 deadline_ts=arrival_ts + self.limits.request_idle_timeout_s)
             try:
-                await asyncio.wait_for(self.producer.add(self.requests_stream, msg),
+                # durable: on a Redis Cluster the request is on a replica too before it counts as accepted
+                await asyncio.wait_for(self.producer.add(self.requests_stream, msg, durable=True),
                                        timeout=self.limits.redis_op_timeout_s)
             except (asyncio.TimeoutError, *REDIS_ERRORS) as e:
                 self._redis_failed_at = time.monotonic()
@@ -257,6 +264,7 @@ class GatewayService:
                 if isinstance(e, asyncio.TimeoutError):  # a stalled XADD may still land: best-effort withdrawal
                     self._send_cancel(rid, tenant.name, "enqueue_failed")
                 self.admission.release(ticket, refund=True)
+                self.quota.release(tenant.name, rid, refund=True)
                 raise overloaded("the request queue (Redis) is unreachable", "redis_unavailable",
                                  REDIS_RETRY_AFTER_S) from None
             except asyncio.CancelledError:
@@ -271,8 +279,30 @@ class GatewayService:
             return await respond(request, ctx, pending, self.metrics, self._send_cancel)
         finally:
             self.router.unregister(rid)
-            self.admission.release(ticket)
+            if not ticket.released:
+                self.admission.release(ticket)
+                self.quota.release(tenant.name, rid)
             self.metrics.inflight.labels(tenant.name).set(self.admission.inflight(tenant.name))
+
+    async def _admit_shared(self, tenant: TenantConfig, rid: str, ticket) -> None:
+        """Count the admitted request against the bounds shared by all gateway replicas (quota_store.py); on a
+        refusal or Redis trouble this instance's count is returned and the request answered 429/503."""
+        try:
+            res = await self.quota.admit(tenant, rid, ticket.tokens)
+        except (asyncio.TimeoutError, *REDIS_ERRORS) as e:
+            self._redis_failed_at = time.monotonic()
+            log.warning("quota_admit_failed", error=repr(e))
+            self.admission.release(ticket, refund=True)
+            self.quota.release(tenant.name, rid, refund=True)  # the script may have run, or may run later
+            raise overloaded("the request queue (Redis) is unreachable", "redis_unavailable",
+                             REDIS_RETRY_AFTER_S) from None
+        except asyncio.CancelledError:  # the client went away mid-call
+            self.admission.release(ticket, refund=True)
+            self.quota.release(tenant.name, rid, refund=True)
+            raise
+        if res is not None:
+            self.admission.release(ticket, refund=True)
+            raise shared_refusal(tenant, res.reason, res.count, res.retry_after_s, self.limits.max_inflight)
 
     def _send_cancel(self, request_id: str, tenant: str, reason: str) -> None:
         """XADD a CancelRequest in the background (the handler may itself be cancelled)."""

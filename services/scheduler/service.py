@@ -241,8 +241,8 @@ class SchedulerService:
                                                      "worker_id": view.worker_id, "assigned_ts": time.time()})
             pipe.sadd(assigned_key(self.p, dev), rid)
             await pipe.execute()
-            await self.producer.add(worker_stream(self.p, dev), AssignRequest(
-                msg_id=uuid.uuid4().hex, request=p.req, device=dev, kv_blocks=p.kv_blocks))
+            await self.producer.add(worker_stream(self.p, dev), AssignRequest(  # durable: the entry is acked next
+                msg_id=uuid.uuid4().hex, request=p.req, device=dev, kv_blocks=p.kv_blocks), durable=True)
             self.assigned[rid] = (dev, p.req, view.worker_id)
             if self.snapshots.home_of.get(dev) == p.req.tenant:
                 if len(view.placed_since) < 4096:
@@ -390,7 +390,7 @@ class SchedulerService:
                 await self.producer.add(tokens_stream(self.p, gw), RequestError(
                     msg_id=uuid.uuid4().hex, request_id=rid, tenant=req.tenant, status=503, code="worker_failed",
                     message=f"the worker on device {dev} failed; retry the request", retryable=True),
-                    maxlen=TOKENS_MAXLEN)
+                    maxlen=TOKENS_MAXLEN, durable=True)
             self.m_failed.labels(req.tenant, "worker_failed").inc()
             await self._finished(rid, dev, "failed")
 
@@ -413,7 +413,7 @@ class SchedulerService:
                 await self.producer.add(tokens_stream(self.p, req.gateway), RequestError(
                     msg_id=uuid.uuid4().hex, request_id=rid, tenant=req.tenant, status=503, code="state_lost",
                     message="the request's state was lost with Redis; retry the request", retryable=True),
-                    maxlen=TOKENS_MAXLEN)
+                    maxlen=TOKENS_MAXLEN, durable=True)
             self.m_failed.labels(req.tenant, "state_lost").inc()
             await self._finished(rid, dev, "failed")
 
@@ -459,7 +459,7 @@ class SchedulerService:
         if await self.fence.claim(req.request_id, state) and req.gateway:
             await self.producer.add(tokens_stream(self.p, req.gateway), RequestError(
                 msg_id=uuid.uuid4().hex, request_id=req.request_id, tenant=req.tenant, status=status, code=code,
-                message=message, retryable=retryable), maxlen=TOKENS_MAXLEN)
+                message=message, retryable=retryable), maxlen=TOKENS_MAXLEN, durable=True)
 
     async def _on_dead(self, stream: str, entry_id: str, raw: bytes | None, reason: str) -> None:
         """A poison entry on our streams: if it decodes far enough to name a request, tell its gateway."""
@@ -471,7 +471,8 @@ class SchedulerService:
                 return
             await self.producer.add(tokens_stream(self.p, gw), RequestError(
                 msg_id=uuid.uuid4().hex, request_id=rid, tenant=tenant, status=500, code="internal_error",
-                message="the request could not be processed", retryable=False), maxlen=TOKENS_MAXLEN)
+                message="the request could not be processed", retryable=False), maxlen=TOKENS_MAXLEN,
+                durable=True)
 
 
 def loose_decode(raw: bytes | None) -> dict:

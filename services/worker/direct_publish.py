@@ -43,7 +43,7 @@ class DirectPublisher:
         try:
             if self.client is None:
                 self.client = sync_client(self.url, socket_timeout=self.timeout_s,
-                                          socket_connect_timeout=self.timeout_s, retries=0, name=self.name)
+                                          socket_connect_timeout=self.timeout_s, retries=0, name=self.name, wait_s=0)
             pipe = self.client.pipeline(transaction=False)
             for stream, msg in items:
                 pipe.xadd(stream, {FIELD_TYPE: type(msg).__name__, FIELD_MSG: encode(msg)}, maxlen=self.maxlen,

@@ -378,7 +378,8 @@ class WorkerService:
                     self.m_fenced.labels(self.device.id).inc(len(fenced))
                     log.warning("results_fenced", requests=",".join(sorted(fenced)))
                     items = [(s, c) for s, c in items if c.request_id not in fenced]
-                await self.producer.add_many(items, maxlen=TOKENS_MAXLEN)
+                # a request's last chunk is on a replica (and so every chunk before it) before the request ends
+                await self.producer.add_many(items, maxlen=TOKENS_MAXLEN, durable=bool(finished))
                 for rid, reason in finished:
                     await self._end(rid, "fenced" if rid in fenced else reason)
                 return
@@ -411,10 +412,12 @@ class WorkerService:
             try:
                 if err_msg is not None:
                     if await self.fence.claim(rid, "failed"):
-                        await self.producer.add(tokens_stream(self.p, t.req.gateway), err_msg, maxlen=TOKENS_MAXLEN)
+                        await self.producer.add(tokens_stream(self.p, t.req.gateway), err_msg, maxlen=TOKENS_MAXLEN,
+                                                durable=True)
                     else:
                         self.m_fenced.labels(self.device.id).inc()
-                await self.producer.add(events_stream(self.p), fin, maxlen=EVENTS_MAXLEN)
+                # durable: the scheduler releases the request's KV on it, and the entry is acked next
+                await self.producer.add(events_stream(self.p), fin, maxlen=EVENTS_MAXLEN, durable=True)
                 await self.consumer.ack(t.entry_id)
                 return
             except REDIS_ERRORS as e:

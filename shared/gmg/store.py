@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from shared.config import ClusterConfig, TenantsConfig
 from shared.gmg.keys import GMGKeys
 from shared.gmg.mutations import APPLY_SCRIPT, MutationBatch
+from shared.redis_util import LuaScript, run_pipeline
 from shared.gmg.scripts import COMMIT, RELEASE
 from shared.model.config import ModelConfig
 from shared.model.graph import ModelGraph
@@ -55,6 +56,8 @@ class Refused:
     detail: str = ""
 
 
+_APPLY, _COMMIT, _RELEASE = LuaScript(APPLY_SCRIPT), LuaScript(COMMIT), LuaScript(RELEASE)
+
 Guard = tuple[str, str, tuple[str, ...]]  # (hash key, field, accepted values: '' = missing, '*' = any present)
 
 
@@ -64,9 +67,13 @@ class GMGStore:
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
         self.redis = redis
         self.keys = GMGKeys(prefix)
-        self._apply = redis.register_script(APPLY_SCRIPT)
-        self._commit = redis.register_script(COMMIT)
-        self._release = redis.register_script(RELEASE)
+
+    async def _eval(self, script: LuaScript, keys: list[str], args: list, *, durable: bool = True):
+        """Run one GMG script. Memory commits and releases are ``durable``: on a Redis Cluster they return only
+        once a replica of the ``{gmg}`` master has them (a failover then loses no reservation); the GMG service's
+        live state (heartbeats, steps) is rewritten continuously and goes without."""
+        return (await run_pipeline(self.redis, lambda p: script.queue(p, keys, args), scripts=[script],
+                                   replicate=keys[:1] if durable else ()))[0]
 
     def batch(self) -> MutationBatch:
         """A new mutation batch for :meth:`apply` / :meth:`commit`."""
@@ -78,7 +85,7 @@ class GMGStore:
         if not len(batch):
             return await self.epoch()
         keys, args = batch.script_args(op, CHANGES_MAXLEN)
-        return int(await self._apply(keys=keys, args=args))
+        return int(await self._eval(_APPLY, keys, args, durable=False))
 
     async def commit(self, op: str, items: list[Reservation | Resize], *, guards: list[Guard] = (),
                      batch: MutationBatch | None = None) -> int | Refused:
@@ -95,7 +102,7 @@ class GMGStore:
                 spec_items.append(["resize", dk, rk, r.owner, "", "", str(int(r.nbytes)), r.device])
         spec_guards = [[b.key_index(k), f, *acc] for k, f, acc in guards]
         spec = msgspec.msgpack.encode([spec_items, spec_guards, b.muts, f"{time.time():.6f}"])
-        ok, reason, a, c = await self._commit(keys=b.keys, args=[op, spec, CHANGES_MAXLEN, *b.blobs])
+        ok, reason, a, c = await self._eval(_COMMIT, b.keys, [op, spec, CHANGES_MAXLEN, *b.blobs])
         if int(ok) == 1:
             return int(a)
         return Refused(_s(reason), _s(a), _s(c))
@@ -107,7 +114,7 @@ class GMGStore:
         spec_items = [[b.key_index(self.keys.device(d)), b.key_index(self.keys.reservations(d)), o] for d, o in owners]
         spec_guards = [[b.key_index(k), f, *acc] for k, f, acc in guards]
         spec = msgspec.msgpack.encode([spec_items, spec_guards, b.muts])
-        ok, freed, epoch, extra = await self._release(keys=b.keys, args=[op, spec, CHANGES_MAXLEN])
+        ok, freed, epoch, extra = await self._eval(_RELEASE, b.keys, [op, spec, CHANGES_MAXLEN])
         if _s(freed) == "conflict":
             return Refused("conflict", "", f"{_s(epoch)}={_s(extra)}")
         return int(freed), int(epoch)

@@ -44,6 +44,7 @@ FIGURES = {
     "17": ["started_at_all", "started_after_deadline", "wasted_gpu_s"],
     "18": ["poison", "engine_faults", "collateral_failures", "retries_per_job_max", "kv_reservations_after",
            "kv_blocks_free_after"],
+    "22": ["failover_s", "same_master", "acked_plain", "acked_plain_lost", "acked_waited", "acked_waited_lost"],
 }
 ELSEWHERE = {
     "14": ("HTTP bad input (fuzz)", "tests/integration/gateway/test_gateway_errors.py::test_bad_input, "
@@ -55,9 +56,11 @@ ELSEWHERE = {
     "20": ("auth / Redis ACL users", "tests/integration/test_redis_acl.py (security work)"),
     "21": ("exposure at default config", "tests/e2e/test_exposure.py (every listener of the mesh on loopback, Redis "
            "protected), tests/unit/deploy/test_compose_file.py::test_only_the_gateway_is_published_and_on_loopback"),
-    "22": ("Sentinel failover", "not applicable: no Sentinel in this deployment"),
+    "22": ("Redis failover (a Redis Cluster master killed, its replica promoted)",
+           "tests/reliability/test_failover.py (not in this run)"),
 }
-HEADLINE_ROWS = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "13"}
+REDIS_KIND = {"server": "one server", "cluster": "cluster 3x2"}
+HEADLINE_ROWS = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "13", "22"}
 FINDINGS = """## What the rows found, and what changed
 
 - Row 2 (stalled worker): the scheduler fails the requests of a worker silent for 3 s, but the worker, once
@@ -145,7 +148,7 @@ def render(rows: list[dict]) -> str:
         "and every accepted request sent before that had its outcome; **5xx** = HTTP responses with a 5xx status "
         "(errors after streaming began are SSE error events, listed under errors).",
         "",
-        f"**Headline** (rows 1-8, 11-13): lost **{lost}/{total}** accepted"
+        f"**Headline** (rows 1-8, 11-13, 22): lost **{lost}/{total}** accepted"
         + (f" (plus {lost_off} with AOF off, the documented window)" if lost_off else "")
         + f"; duplicated results **{dup}** across all rows.",
         "",
@@ -170,15 +173,18 @@ def render(rows: list[dict]) -> str:
         else:
             out.append(f"| {k} | - | not measured in this run |")
     for k in sorted(by_row, key=_row_key):
-        rs = sorted(by_row[k], key=lambda r: (r["variant"], r["seed"]))
+        rs = sorted(by_row[k], key=lambda r: (r["variant"], r.get("redis", "server"), r["seed"]))
         out += ["", f"## Row {k}: {rs[0]['title']}", ""]
         figs = FIGURES.get(k, [])
-        head = ["variant", "seed", "requests", "accepted", "lost", "dup", "recovery s", "5xx", "errors"] + figs
+        kinds = {r.get("redis", "server") for r in rs} != {"server"}  # a column only where a cluster ran the row
+        head = ["variant"] + (["redis"] if kinds else []) + ["seed", "requests", "accepted", "lost", "dup",
+                                                             "recovery s", "5xx", "errors"] + figs
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
         for r in rs:
-            cells = [r["variant"] or "-", r["seed"], r["requests"], r["accepted"], r["lost"], r["duplicated"],
-                     r["recovery_s"], r["http_5xx"], r["errors"] or "-"] + [r["extra"].get(f) for f in figs]
+            cells = [r["variant"] or "-"] + ([REDIS_KIND[r.get("redis", "server")]] if kinds else []) + [
+                r["seed"], r["requests"], r["accepted"], r["lost"], r["duplicated"], r["recovery_s"], r["http_5xx"],
+                r["errors"] or "-"] + [r["extra"].get(f) for f in figs]
             out.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
         for variant in sorted({r["variant"] for r in rs}):
             vs = [r for r in rs if r["variant"] == variant]

@@ -38,6 +38,7 @@ class RowResult:
     extra: dict = field(default_factory=dict)
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d", time.gmtime()))
     duration_s: float = 0.0
+    redis: str = field(default_factory=lambda: os.environ.get("SLICESCHED_REL_REDIS", "server"))  # server | cluster
 
     def note(self, text: str) -> None:
         self.notes = f"{self.notes}; {text}" if self.notes else text
@@ -114,10 +115,10 @@ def record(result: RowResult, path: Path = RESULTS) -> None:
     """Add ``result`` to the results file, replacing an earlier run of the same row, variant and seed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = json.loads(path.read_text()) if path.exists() else []
-    key = (result.row, result.variant, result.seed)
-    rows = [r for r in rows if (r["row"], r["variant"], r["seed"]) != key]
+    key = (result.row, result.variant, result.seed, result.redis)
+    rows = [r for r in rows if (r["row"], r["variant"], r["seed"], r.get("redis", "server")) != key]
     rows.append(asdict(result))
-    rows.sort(key=lambda r: (_row_key(r["row"]), r["variant"], r["seed"]))
+    rows.sort(key=lambda r: (_row_key(r["row"]), r["variant"], r["seed"], r.get("redis", "server")))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rows, indent=1, sort_keys=True))
     tmp.replace(path)

@@ -1,6 +1,8 @@
 """The mesh under test: a private redis-server the harness controls (kill, restart, pause), optionally behind a
-:class:`~reliability.proxy.FaultProxy`, and the whole mesh started by ``slicesched up`` with ``REDIS_URL`` pointing at
-it. Services are found, signalled and awaited through their health keys; their logs are read for error events."""
+:class:`~reliability.proxy.FaultProxy`, or a private Redis Cluster (3 masters, one replica each) when
+``SLICESCHED_REL_REDIS=cluster`` (or ``redis="cluster"``), and the whole mesh started by ``slicesched up`` with
+``REDIS_URL`` pointing at it. Services are found, signalled and awaited through their health keys; their logs are
+read for error events."""
 from __future__ import annotations
 
 import json
@@ -12,16 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis as syncredis
+from redis.exceptions import RedisClusterException
 
 from reliability.proxy import FaultProxy
 from shared.messages import GROUP_SCHEDULER, GROUP_WORKER, requests_stream, worker_stream
-from shared.procutil import RedisServer
+from shared.procutil import LocalRedisCluster, RedisServer
+from shared.redis_util import sync_client
 from shared.requests_state import tenant_stats_key
 from support.mesh import Mesh, start_mesh, stop_mesh
 
 DEVICES = ("cpu0", "cpu1")
 TENANT_DEVICE = {"tiny-a": "cpu0", "tiny-b": "cpu1"}
 KEYS = {"tiny-a": "sk-dev-tiny-a-0001", "tiny-b": "sk-dev-tiny-b-0001"}
+REL_REDIS = os.environ.get("SLICESCHED_REL_REDIS", "server")  # server | cluster
+REDIS_ERRORS = (syncredis.RedisError, RedisClusterException)
 SERVICES = (("gmg", "gmg"), ("simulator", "simulator"), ("scheduler", "scheduler-0"), ("worker", "cpu0"),
             ("worker", "cpu1"))
 
@@ -31,14 +37,27 @@ class Rig:
     """Owns the Redis process, the optional proxy and the launched mesh; everything here is synchronous."""
 
     tmp: Path
-    redis_server: RedisServer
+    redis_server: RedisServer | None
     mesh: Mesh
     proxy: FaultProxy | None = None
     events: list[tuple[float, str]] = field(default_factory=list)
+    cluster: LocalRedisCluster | None = None
 
     @classmethod
     def start(cls, tmp: Path, *, appendfsync: str = "everysec", appendonly: bool = True, proxy: bool = False,
-              env: dict | None = None) -> "Rig":
+              env: dict | None = None, redis: str = REL_REDIS) -> "Rig":
+        if redis == "cluster":
+            if proxy:
+                raise ValueError("the fault proxy sits in front of one redis-server, not a cluster")
+            cluster = LocalRedisCluster(tmp / "redis-cluster", appendonly=appendonly, appendfsync=appendfsync).start()
+            try:
+                mesh = start_mesh(tmp / "mesh", env={"REDIS_URL": cluster.url, **(env or {})})
+            except Exception:
+                cluster.stop()
+                raise
+            rig = cls(tmp, None, mesh, None, cluster=cluster)
+            rig.wait_ready(120)
+            return rig
         server = RedisServer(tmp / "redis", appendonly=appendonly, appendfsync=appendfsync).start()
         px = FaultProxy("127.0.0.1", server.port).start() if proxy else None
         try:
@@ -58,7 +77,10 @@ class Rig:
         finally:
             if self.proxy:
                 self.proxy.stop()
-            self.redis_server.stop()
+            if self.redis_server is not None:
+                self.redis_server.stop()
+            if self.cluster is not None:
+                self.cluster.stop()
 
     # ------------------------------------------------------------ Redis
     @property
@@ -68,10 +90,10 @@ class Rig:
     @property
     def redis_url(self) -> str:
         """The harness's own, direct connection (never through the proxy)."""
-        return self.redis_server.url
+        return self.cluster.url if self.cluster is not None else self.redis_server.url
 
     def r(self) -> syncredis.Redis:
-        return syncredis.Redis.from_url(self.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        return sync_client(self.redis_url, socket_timeout=5, socket_connect_timeout=2)
 
     def kill_redis(self) -> float:
         self.redis_server.kill()
@@ -97,7 +119,7 @@ class Rig:
     def pid(self, service: str, name: str) -> int:
         try:
             v = self.r().hget(f"{self.prefix}health:{service}:{name}", "pid")
-        except syncredis.RedisError:
+        except REDIS_ERRORS:
             return 0
         return int(v) if v else 0
 
@@ -115,7 +137,7 @@ class Rig:
         while time.monotonic() - t0 < timeout_s:
             try:
                 h = self.r().hgetall(f"{self.prefix}health:{service}:{name}")
-            except syncredis.RedisError:
+            except REDIS_ERRORS:
                 h = {}
             if h.get(b"pid") and int(h[b"pid"]) != old and h.get(b"ready") == b"1":
                 return time.monotonic() - t0
@@ -141,7 +163,7 @@ class Rig:
                 if not missing:
                     return time.monotonic() - t0
                 last = ", ".join(missing)
-            except (OSError, syncredis.RedisError) as e:
+            except (OSError, *REDIS_ERRORS) as e:
                 last = repr(e)
             time.sleep(0.25)
         raise TimeoutError(f"mesh not ready after {timeout_s:.0f} s: {last}")
@@ -173,7 +195,7 @@ class Rig:
     def busy(self) -> int:
         try:
             return sum(self.busy_detail().values())
-        except syncredis.RedisError:
+        except REDIS_ERRORS:
             return -1
 
     # ------------------------------------------------------------ logs

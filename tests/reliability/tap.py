@@ -7,7 +7,8 @@
 * ``RequestStarted`` / ``RequestFinished`` events (re-executions).
 
 Gateways trim their tokens stream up to what they have read every few seconds; the tap reads continuously and
-counts what it could not see (``missed``) from the streams' ``entries-added`` counters.
+counts what it could not see (``missed``) from the streams' ``entries-added`` counters. Each stream is read with its
+own XREAD (concurrently), since on a Redis Cluster the streams live on different masters.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import redis.asyncio as aioredis
 from shared.codec import DecodeError, decode
 from shared.messages import (EventsMsg, InferenceRequest, RequestError, RequestFinished, RequestsMsg, RequestStarted,
                              TokenChunk, TokensMsg, events_stream, requests_stream)
+from shared.redis_util import command_client
 from shared.streams import entry_payload
 
 
@@ -47,28 +49,40 @@ class Tap:
 
     # ------------------------------------------------------------ loop
     async def run(self, stop: asyncio.Event) -> None:
-        r = aioredis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+        r = command_client(self.url, socket_timeout_s=5, max_connections=256, name="reliability-tap")
+        readers: dict[str, asyncio.Task] = {}
         try:
-            await self._discover(r, initial=True)
-            last_discover = time.monotonic()
-            while not stop.is_set():
+            while True:
                 try:
-                    if time.monotonic() - last_discover > 0.5:
-                        await self._discover(r)
-                        last_discover = time.monotonic()
-                    resp = await r.xread(dict(self._last), count=1000, block=200)
+                    await self._discover(r, initial=not readers and not self._last)
                 except Exception:  # Redis down or restarting: keep trying, the row measures that
                     self.errors += 1
-                    await asyncio.sleep(0.2)
-                    continue
-                for stream, entries in resp or []:
-                    name = _s(stream)
-                    for eid, fields in entries:
-                        self._last[name] = _s(eid)
-                        self.read[name] += 1
-                        self._handle(name, entry_payload(fields))
+                for n in self._last:
+                    if n not in readers:
+                        readers[n] = asyncio.create_task(self._follow(r, n, stop))
+                if stop.is_set():
+                    break
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
         finally:
+            await asyncio.gather(*readers.values(), return_exceptions=True)
             await r.aclose()
+
+    async def _follow(self, r: aioredis.Redis, name: str, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                resp = await r.xread({name: self._last[name]}, count=1000, block=200)
+            except Exception:  # Redis down or restarting: keep trying, the row measures that
+                self.errors += 1
+                await asyncio.sleep(0.2)
+                continue
+            for _stream, entries in resp or []:
+                for eid, fields in entries:
+                    self._last[name] = _s(eid)
+                    self.read[name] += 1
+                    self._handle(name, entry_payload(fields))
 
     async def _discover(self, r: aioredis.Redis, initial: bool = False) -> None:
         names = [requests_stream(self.p), events_stream(self.p)]
@@ -124,7 +138,7 @@ class Tap:
     # ------------------------------------------------------------ summaries
     async def missed(self) -> int:
         """Tokens-stream entries added while tapped that the tap never read (trimmed first, or stream reset)."""
-        r = aioredis.Redis.from_url(self.url, socket_timeout=5)
+        r = command_client(self.url, socket_timeout_s=5, name="reliability-tap")
         missed = 0
         try:
             for n in self._last:

@@ -7,10 +7,12 @@ import asyncio
 import pytest
 
 from reliability.results import RowResult, median
-from reliability.rig import Rig
+from reliability.rig import REL_REDIS, Rig
 from reliability.scenario import SEEDS, finish, n_requests, run_fault_row
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900),
+              pytest.mark.skipif(REL_REDIS == "cluster", reason="rows 8 puts a proxy in front of one redis-server; on a Redis Cluster the "
+                                 "matching fault is row 22 (tests/reliability/test_failover.py)")]
 
 
 @pytest.fixture(scope="module")

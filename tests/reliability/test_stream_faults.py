@@ -12,7 +12,6 @@ import uuid
 
 import aiohttp
 import pytest
-import redis.asyncio as aioredis
 
 from reliability.load import Driver
 from reliability.results import RowResult, summarize
@@ -21,6 +20,7 @@ from reliability.scenario import (SEEDS, fake_request, finish, n_requests, poiso
                                   xadd_requests)
 from reliability.tap import Tap
 from shared.messages import GROUP_SCHEDULER, dead_stream, requests_stream, worker_stream
+from shared.redis_util import command_client
 from shared.streams import safe_trim
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -199,7 +199,7 @@ async def test_row11_backlog_with_stopped_scheduler(rig, seed):
         reqs = [fake_request(t, gw, max_tokens=2) for _ in range(1500) for t in KEYS]
         await asyncio.to_thread(xadd_requests, r, rig.prefix, reqs)
         length_before = r.xlen(requests_stream(rig.prefix))
-        ar = aioredis.Redis.from_url(rig.redis_url)
+        ar = command_client(rig.redis_url)
         for _ in range(3):  # what every reclaim loop does every 30 s
             await safe_trim(ar, requests_stream(rig.prefix))
         await ar.aclose()

@@ -53,7 +53,10 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port()
-        args = [*self.wrap, exe, "--port", str(self.port), "--bind", self.host, "--protected-mode", "yes",
+        # protected mode refuses every non-loopback client without a password: only on loopback (a private test
+        # network of namespaces binds another address, where no one else is)
+        protected = "yes" if self.host in ("127.0.0.1", "::1", "localhost") else "no"
+        args = [*self.wrap, exe, "--port", str(self.port), "--bind", self.host, "--protected-mode", protected,
                 "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
                 "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
                 "--logfile", str(self.data_dir / "redis.log"), *self.extra_args]

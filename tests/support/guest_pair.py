@@ -1,6 +1,8 @@
 """Two real worker processes (driver ``cpu0`` with tenant ``ta``, guest ``cpu1`` with tenant ``tb``) on a real
 redis-server; the test stands in for the scheduler (AssignRequest, lease commits in the GMG, LeaseGranted /
-LeaseRevoked to both workers) and for the gateway (reads TokenChunks from its tokens stream)."""
+LeaseRevoked to both workers) and for the gateway (reads TokenChunks from its tokens stream). ``placement`` puts a
+worker on another "host": a command prefix that runs it there (``ip netns exec NS``) and its address there, which
+becomes the device's ``host`` and the address its segment server and tensor transport bind."""
 from __future__ import annotations
 
 import asyncio
@@ -29,11 +31,12 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER, GUEST = "cpu0", "cpu1"
 
 
-def write_configs(tmp: Path, link: str, preset: str = "tiny", sla=(2000, 100)) -> tuple[Path, Path]:
+def write_configs(tmp: Path, link: str, preset: str = "tiny", sla=(2000, 100),
+                  hosts: dict[str, str] | None = None) -> tuple[Path, Path]:
     cluster = {"cluster": {"name": "guest-pair", "headroom_fraction": 0.05},
                "links": {"intra_host": link, "inter_host": "tcp"},
-               "devices": [{"id": d, "backend": "cpu", "kind": "cpu", "memory_gb": 0.5, "host": "localhost",
-                            "threads": 1} for d in (DRIVER, GUEST)]}
+               "devices": [{"id": d, "backend": "cpu", "kind": "cpu", "memory_gb": 0.5,
+                            "host": (hosts or {}).get(d, "localhost"), "threads": 1} for d in (DRIVER, GUEST)]}
     tenants = {"tenants": [{"name": n, "model": {"preset": preset, "seed": s},
                             "sla": {"ttft_ms": sla[0], "tpot_ms": sla[1]}, "home_devices": [d],
                             "api_keys": [f"sk-test-{n}-0001"]}
@@ -64,9 +67,12 @@ class Outcome:
 
 class GuestPair:
     def __init__(self, tmp: Path, redis_url: str, prefix: str, link: str = "shm", env: dict | None = None,
-                 preset: str = "tiny", sla=(2000, 100)) -> None:
+                 preset: str = "tiny", sla=(2000, 100),
+                 placement: dict[str, tuple[tuple[str, ...], str]] | None = None) -> None:
         self.tmp, self.url, self.p, self.link = tmp, redis_url, prefix, link
-        self.cluster_file, self.tenants_file = write_configs(tmp, link, preset, sla)
+        self.placement = placement or {}
+        self.cluster_file, self.tenants_file = write_configs(tmp, link, preset, sla,
+                                                             {d: a for d, (_, a) in self.placement.items()})
         self.cluster = parse_cluster(yaml.safe_load(self.cluster_file.read_text()), self.cluster_file)
         self.tenants = parse_tenants(yaml.safe_load(self.tenants_file.read_text()), self.tenants_file, self.cluster)
         self.env = dict(env or {})
@@ -82,8 +88,10 @@ class GuestPair:
                    SLICESCHED_KV_POOL_MB="32", **self.env)
         for d in (DRIVER, GUEST):
             log = open(self.tmp / f"worker-{d}.log", "w")
-            self.procs[d] = subprocess.Popen([sys.executable, "-m", "services.worker", "--device", d], cwd=REPO,
-                                             env=env, stdout=log, stderr=subprocess.STDOUT)
+            wrap, addr = self.placement.get(d, ((), ""))
+            denv = dict(env, SLICESCHED_SEGMENT_BIND=addr) if addr else env
+            self.procs[d] = subprocess.Popen([*wrap, sys.executable, "-m", "services.worker", "--device", d],
+                                             cwd=REPO, env=denv, stdout=log, stderr=subprocess.STDOUT)
         for d in (DRIVER, GUEST):
             await self.wait_health(d, lambda h: h.get("ready") == "1" and h.get("segment_addr"), timeout_s)
 

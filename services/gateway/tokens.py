@@ -34,6 +34,9 @@ log = structlog.get_logger()
 READ_COUNT = 256  # entries per XREAD
 PACE_MIN_ENTRIES = 2  # a read that brought fewer entries than this is not paced (the stream is not busy)
 MAX_BUFFERED = 4096  # out-of-order chunks held per request before the request is failed
+# A request's final chunk arrived but an earlier one is missing (lost with a Redis master that failed before its
+# replica had it): after this long the request ends with a retryable 502 stream_gap instead of the idle timeout.
+GAP_GRACE_S = 2.0
 STREAM_TTL_S = 3600
 
 
@@ -61,6 +64,7 @@ class TokenRouter:
         self.fail_pending_after_s = fail_pending_after_s
         self.last_id = "0-0"
         self._pending: dict[str, PendingRequest] = {}
+        self._gapped: dict[str, float] = {}  # request id -> when its final chunk arrived ahead of a missing one
         self.duplicates = self.unknown = self.foreign = self.undecodable = self.read_errors = 0
 
     # ------------------------------------------------------------ registry
@@ -71,6 +75,7 @@ class TokenRouter:
 
     def unregister(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._gapped.pop(request_id, None)
 
     def pending_count(self) -> int:
         return len(self._pending)
@@ -106,6 +111,26 @@ class TokenRouter:
             p.next_seq += 1
             if p.on_chunk is not None:
                 p.on_chunk(chunk)
+        if any(c.finish_reason is not None for c in p.buffer.values()):
+            self._gapped.setdefault(p.request_id, time.monotonic())
+        else:
+            self._gapped.pop(p.request_id, None)
+
+    def fail_gaps(self, now: float, grace_s: float = GAP_GRACE_S) -> int:
+        """End requests whose final chunk has waited ``grace_s`` for a missing earlier one (502, retryable)."""
+        failed = 0
+        for rid, since in list(self._gapped.items()):
+            p = self._pending.get(rid)
+            if p is None or now - since < grace_s:
+                continue
+            del self._gapped[rid]
+            log.error("token_gap_unfilled", request_id=rid, expected_seq=p.next_seq)
+            p.queue.put_nowait(RequestError(msg_id=f"gap-{rid}", request_id=rid, tenant=p.tenant, status=502,
+                                            code="stream_gap",
+                                            message="token chunks were lost between worker and gateway; retry",
+                                            retryable=True))
+            failed += 1
+        return failed
 
     def fail_all(self, status: int, code: str, message: str) -> None:
         """Deliver an error to every pending request (the stream cannot be read)."""
@@ -156,6 +181,8 @@ class TokenRouter:
                         self.handle_entry(eid, fields)
                     except Exception:  # one bad entry never stops the loop
                         log.exception("token_entry_failed", entry_id=eid)
+            if self._gapped:
+                self.fail_gaps(time.monotonic())
             if resp:
                 self.reads += 1
                 wait = pace_delay(self.read_interval_s, started, time.monotonic(), resp)

@@ -3,6 +3,7 @@ errors, and failing waiting requests when the stream cannot be read."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from services.gateway.tokens import TokenRouter
 from shared.codec import encode
@@ -100,3 +101,26 @@ def test_pace_delay_spaces_reads_by_the_interval():
     assert pace_delay(0.010, started=100.0, now=100.0, resp=[("s", [("1-0", {})])]) == 0.0  # one entry: not busy
     full = [("s", [("1-0", {})] * READ_COUNT)]
     assert pace_delay(0.010, started=100.0, now=100.0, resp=full) == 0.0  # a backlog is read at once
+
+
+def test_a_final_chunk_ahead_of_a_lost_one_ends_the_request_after_the_grace():
+    from services.gateway.tokens import GAP_GRACE_S
+
+    r = TokenRouter(cmd=None, blocking=None, stream="s")
+    p = r.register("r1", "t")
+    r.dispatch(_gap_chunk(0))
+    r.dispatch(_gap_chunk(2, final=True))  # seq 1 never comes (lost with a failed Redis master)
+    assert r.fail_gaps(time.monotonic()) == 0  # within the grace: it may still arrive
+    assert r.fail_gaps(time.monotonic() + GAP_GRACE_S + 0.1) == 1
+    got = [p.queue.get_nowait() for _ in range(p.queue.qsize())]
+    assert [type(m).__name__ for m in got] == ["TokenChunk", "RequestError"]
+    assert (got[1].status, got[1].code, got[1].retryable) == (502, "stream_gap", True)
+    q = r.register("r2", "t")  # out of order but complete: no error
+    r.dispatch(_gap_chunk(1, final=True, rid="r2"))
+    r.dispatch(_gap_chunk(0, rid="r2"))
+    assert r.fail_gaps(time.monotonic() + 10) == 0 and q.queue.qsize() == 2
+
+
+def _gap_chunk(seq: int, final: bool = False, rid: str = "r1") -> TokenChunk:
+    return TokenChunk(msg_id=f"{rid}-{seq}", request_id=rid, tenant="t", seq=seq, token_ids=[seq], text="x",
+                      finish_reason="length" if final else None, prompt_tokens=1, completion_tokens=seq + 1)

@@ -61,8 +61,50 @@ ELSEWHERE = {
 }
 REDIS_KIND = {"server": "one server", "cluster": "cluster 3x2"}
 HEADLINE_ROWS = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "13", "22"}
+REPLICATION = """## Redis failover: what replication can lose
+
+Row 22 runs the mesh on a Redis Cluster (3 masters, one replica each, node timeout 2 s) and kills a master under
+load; its replica takes over (`failover_s`: kill until the replica serves the slot; the killed node then rejoins as a
+replica). Reproduce: `.venv/bin/pytest -m slow tests/reliability/test_failover.py` (about 3 minutes). Redis replicates
+asynchronously: a master acknowledges a write before its replica has it, so a master that dies loses the writes of
+the last moments, acknowledged or not. Two harness writers on the killed master measure that window: `plain`
+XADDs every 5 ms, `waited` the same followed by `WAIT 1` on the same connection. On loopback the replica is
+usually less than a millisecond behind, so the plain writer lost none in these runs: that says the window is short
+here, not that it is empty (across a network, or with a busy replica, it is longer).
+
+What the mesh does about it:
+
+- Writes that hand a request from one party to the next, after which the writer forgets it, wait for a replica
+  (`WAIT 1`, at most `SLICESCHED_REDIS_WAIT_MS`, default 100 ms; `shared/redis_util.run_pipeline`): the gateway's
+  `InferenceRequest` (before the request counts as accepted), the scheduler's `AssignRequest` (before it acks the
+  request entry) and every `RequestError` it publishes, a worker's last chunk of a request and its errors, its
+  `RequestFinished` (the scheduler frees the request's KV on it), every terminal-state claim (the fence that makes
+  one result per request), and GMG memory commits and releases. A master's replication stream is ordered, so a WAIT
+  also covers every earlier write to that master, the request's earlier token chunks included.
+- Writes that are repeated anyway, or whose loss shows, go without: heartbeats, step reports, the GMG's live device
+  state (rewritten within 0.5 s; a lost change shows as a gap in GMG epochs and followers reload), acks and
+  consumer-group positions (a lost ack re-delivers the entry, and every handler is idempotent), and mid-stream token
+  chunks (the last chunk's WAIT covers them, unless their master dies before that chunk is written: below).
+- What remains: a WAIT that times out (the replica is down or more than 100 ms behind) lets the write go on
+  unreplicated (logged `redis_write_unreplicated`; that master is not waited on for 5 s); a mid-stream chunk lost
+  with its master leaves a gap the gateway fills with a retryable `502 stream_gap` once the final chunk has waited
+  2 s; killing a master and its replica together loses that slot range until one returns (its AOF). A replica
+  promoted on another host stamps new stream entries with its own clock: readers that follow a stream by position
+  (gateways, GMG followers) need the hosts' clocks within the failover time of each other (seconds).
+
+A deployment with one Redis server has no failover; why the mesh offers the cluster rather than Sentinel:
+[deployment.md](deployment.md#kubernetes) ("No Sentinel").
+"""
+
 FINDINGS = """## What the rows found, and what changed
 
+- Row 22 (Redis failover) and the cluster runs: redis-py 8.1's cluster pipeline refuses EVALSHA, and its MULTI
+  handed a keys hint to response callbacks that do not take it (the GMG follower's snapshot failed on SMEMBERS);
+  scripts now run as raw EVALSHA with a reload on NOSCRIPT, and the pipeline drops the hint. The scheduler's
+  assignment MULTI spanned two slots; it is a plain pipeline now (a restarted scheduler checks each request's
+  hash). During a failover (about 3.7 s with a 2 s node timeout) a few running requests per run end with a
+  retryable `worker_failed`: heartbeats were not written or read for longer than the scheduler's 3 s staleness
+  window. Not changed.
 - Row 2 (stalled worker): the scheduler fails the requests of a worker silent for 3 s, but the worker, once
   resumed, still published their final chunks: two terminal results for one request on the tokens stream. Now the
   single move of a request to a terminal state is claimed with one Lua script on its `req:{id}` hash
@@ -138,7 +180,8 @@ def render(rows: list[dict]) -> str:
         "and the default policy, `slice` (row 17 pins `container`: it needs requests to wait in the scheduler's "
         "queue, which `slice` serves on a lane instead), two CPU workers running the tiny model with real torch "
         "compute, tenants tiny-a and tiny-b, a private "
-        "redis-server 7.0 the harness controls. Date: " + ", ".join(dates) + f". Seeds: {seeds}.",
+        "redis-server 7.0 the harness controls (row 22, and rows marked `cluster 3x2`: a private Redis Cluster of 3 "
+        "masters with one replica each). Date: " + ", ".join(dates) + f". Seeds: {seeds}.",
         "",
         "Definitions (RELIABILITY.md): **accepted** = the gateway began streaming / answered 200, or the request "
         "reached the requests stream (a 429/503 before that is a rejection); **lost** = accepted without a final "
@@ -202,6 +245,8 @@ def render(rows: list[dict]) -> str:
                 http[code] += n
         if http:
             out.append("\nHTTP errors (all runs): " + ", ".join(f"{c} x{n}" for c, n in sorted(http.items())))
+    if "22" in by_row:
+        out += ["", REPLICATION.rstrip()]
     out += ["", FINDINGS, ""]
     return "\n".join(out)
 

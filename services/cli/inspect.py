@@ -13,6 +13,9 @@ import sys
 import time
 
 import redis as syncredis
+from redis.exceptions import RedisClusterException
+
+from shared.redis_util import REDIS_ERRORS, sync_client
 
 from services.inspect import render as R
 
@@ -72,7 +75,7 @@ def collect(r: syncredis.Redis, args: argparse.Namespace) -> dict:
         if args.view == "streams":
             return StreamsReader(r, prefix).streams(dead_recent=max(0, args.dead))
         doc = StreamsReader(r, prefix).request(args.request_id)
-    except (syncredis.ConnectionError, syncredis.TimeoutError, OSError) as e:
+    except (syncredis.ConnectionError, syncredis.TimeoutError, OSError, RedisClusterException) as e:
         raise InspectError(f"cannot read Redis at {_safe_url(args.redis_url)}: {e}", 2) from None
     except syncredis.RedisError as e:  # e.g. NOPERM for a user without read access to these keys or commands
         raise InspectError(f"Redis at {_safe_url(args.redis_url)} refused a read: {e}", 2) from None
@@ -87,10 +90,13 @@ def run(args: argparse.Namespace) -> int:
         print("slicesched inspect: no Redis given: set REDIS_URL or pass --redis-url (slicesched up prints it)",
               file=sys.stderr)
         return 2
-    try:
-        r = syncredis.Redis.from_url(args.redis_url, socket_timeout=5, socket_connect_timeout=3)
+    try:  # a single server or any node of a Redis Cluster (SLICESCHED_REDIS_CLUSTER, or asked)
+        r = sync_client(args.redis_url, socket_timeout=5, socket_connect_timeout=3, wait_s=0)
     except ValueError as e:
         print(f"slicesched inspect: bad --redis-url: {e}", file=sys.stderr)
+        return 2
+    except (*REDIS_ERRORS, RedisClusterException) as e:
+        print(f"slicesched inspect: cannot read Redis at {_safe_url(args.redis_url)}: {e}", file=sys.stderr)
         return 2
     if args.watch is not None and args.watch <= 0:
         print("slicesched inspect: --watch needs a positive number of seconds", file=sys.stderr)

@@ -20,6 +20,9 @@ from shared.redis_util import blocking_client
 from shared.requests_state import req_key, tenant_stats_key
 from shared.service import health_key
 from shared.streams import ACK, DEFER, StreamConsumer, StreamProducer
+from redis.asyncio.cluster import RedisCluster
+
+from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
 
 pytestmark = pytest.mark.integration
 
@@ -278,12 +281,13 @@ async def test_watch_json_prints_one_object_per_refresh(redis, redis_url, prefix
 async def test_refused_read_is_exit_2_one_line(redis, redis_url, prefix, capsys):
     await _populate(redis, redis_url, prefix)
     user = f"ro{prefix.rstrip(':')}"
-    await redis.execute_command("ACL", "SETUSER", user, "on", ">pw", "~other:*", "+@all")
+    every = {"target_nodes": redis.get_nodes()} if isinstance(redis, RedisCluster) else {}  # ACLs are per node on a cluster
+    await redis.execute_command("ACL", "SETUSER", user, "on", ">pw", "~other:*", "+@all", **every)
     try:
         url = redis_url.replace("redis://", f"redis://{user}:pw@")
         capsys.readouterr()
         rc = main(["inspect", "--redis-url", url, "--prefix", prefix, "devices"])
         err = capsys.readouterr().err
     finally:
-        await redis.execute_command("ACL", "DELUSER", user)
+        await redis.execute_command("ACL", "DELUSER", user, **every)
     assert rc == 2 and err.count("\n") == 1 and "refused" in err and "pw@" not in err, err

@@ -133,7 +133,8 @@ class LocalRedisCluster:
         if shutil.which("redis-cli") is None:
             raise RuntimeError("redis-cli not found on PATH (apt-get install -y redis-tools)")
         opts = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no")
+                "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no",
+                "--repl-diskless-sync-delay", "0")  # a replica syncs at once (default: waits 5 s for others)
         try:
             for i in range(self.masters * (1 + self.replicas)):
                 bus = ("--cluster-port", str(free_port()))  # not port + 10000, which may be taken or too high
@@ -150,11 +151,15 @@ class LocalRedisCluster:
         return self
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Until every running node reports ``cluster_state:ok`` and knows every slot's master."""
+        """Until every running node reports ``cluster_state:ok`` and ``CLUSTER SLOTS`` lists every running node
+        (it lists a replica only once it has synced; each master here serves one slot range)."""
         deadline = time.monotonic() + timeout_s
         while True:
             live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
-            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO", check=False) for n in live):
+            ids = [x for x in live[0].cli("CLUSTER", "SLOTS", check=False).split()
+                   if len(x) == 40 and all(c in "0123456789abcdef" for c in x)] if live else []
+            if all("cluster_state:ok" in n.cli("CLUSTER", "INFO", check=False) for n in live) and \
+                    len(set(ids)) == len(live):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Redis Cluster in {self.data_dir} not ok after {timeout_s:.0f} s")

@@ -11,7 +11,8 @@ Whether ``REDIS_URL`` names a node of a Redis Cluster is decided once per proces
 (``CLUSTER MYID`` answers only on a cluster node). On a cluster the factories return redis-py's cluster clients,
 which route every command by its key's slot and follow failovers; callers use the same methods either way. What
 the cluster asks of callers: a Lua script, MULTI or multi-key command keeps its keys in one slot (hash tags such
-as ``{gmg}``), and a script called inside a pipeline goes as EVAL (:func:`pipeline_script`).
+as ``{gmg}``), and scripts go through :class:`LuaScript` and :func:`run_pipeline` (which also waits for a replica
+after the writes that must survive a failover).
 """
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from typing import Any, Callable, Iterable
 
 import redis
 import redis.asyncio as aioredis
+import structlog
 from redis.asyncio.cluster import ClusterPipeline
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import RedisCluster as SyncRedisCluster
-import structlog
 from redis.exceptions import ClusterDownError, NoScriptError, ResponseError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -253,14 +254,30 @@ def wait_ms() -> int:
     return env_number("SLICESCHED_REDIS_WAIT_MS", 100, int, minimum=0)
 
 
-def _masters_with_replicas(client: Any, keys: Iterable[str]) -> list:
-    """The masters (cluster nodes) serving ``keys`` that have a replica and are not resting from a failed WAIT."""
-    if not isinstance(client, AsyncRedisCluster) or not wait_ms():
+REPLICA_VIEW_S = 5.0  # how old the client's view of which masters have a synced replica may get
+
+
+async def _masters_with_replicas(client: Any, keys: list[str]) -> list:
+    """The masters (cluster nodes) serving ``keys`` that have a replica in sync and are not resting from a WAIT
+    that timed out. Which masters have one is asked (``CLUSTER SLOTS``, which lists a replica once it has synced)
+    at most every ``REPLICA_VIEW_S``: replicas join, sync and fail over without telling the client."""
+    if not keys or not isinstance(client, AsyncRedisCluster) or not wait_ms():
         return []  # a single server: none in this project's deployments (docs/deployment.md)
-    now, out = time.monotonic(), {}
+    now = time.monotonic()
+    view = getattr(client, "_replica_view", None)
+    if view is None or now - view[0] > REPLICA_VIEW_S:
+        counts = view[1] if view else {}
+        try:
+            slots = await client.execute_command("CLUSTER SLOTS")
+            counts = {f"{v['primary'][0]}:{v['primary'][1]}": len(v["replicas"]) for v in slots.values()}
+        except REDIS_ERRORS as e:  # keep the last view; the write itself will meet the trouble
+            log.debug("cluster_slots_failed", error=repr(e))
+        view = (now, counts)
+        client._replica_view = view
+    out = {}
     for k in keys:
         owners = client.nodes_manager.slots_cache.get(client.keyslot(k)) or []
-        if len(owners) > 1 and _wait_rest.get(owners[0].name, 0.0) <= now:
+        if owners and view[1].get(owners[0].name, 0) > 0 and _wait_rest.get(owners[0].name, 0.0) <= now:
             out[owners[0].name] = owners[0]
     return list(out.values())
 
@@ -282,7 +299,7 @@ async def run_pipeline(client: Any, build: Callable[[Any], None], *, scripts: It
         pipe = client.pipeline(transaction=False)
         build(pipe)
         n = len(pipe)
-        masters = _masters_with_replicas(client, keys)
+        masters = await _masters_with_replicas(client, keys)
         for node in masters:
             pipe.execute_command("WAIT", 1, wait_ms(), target_nodes=node)
         try:

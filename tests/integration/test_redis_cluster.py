@@ -5,8 +5,11 @@ script queued in a pipeline) works on both kinds of Redis."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -90,3 +93,48 @@ def test_up_refuses_a_cluster_of_fewer_than_3_masters():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--redis-cluster" in out.stderr and "at least 3 masters" in out.stderr and "Traceback" not in out.stderr
+
+
+def _wait_calls(node) -> int:
+    for line in node.cli("INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_wait:"):
+            return int(line.split("calls=")[1].split(",")[0])
+    return 0
+
+
+async def test_durable_writes_wait_for_a_replica_and_go_on_without_a_stalled_one(tmp_path, monkeypatch):
+    from shared import redis_util
+    from shared.messages import CancelRequest
+    from shared.procutil import LocalRedisCluster
+    from shared.streams import StreamProducer
+
+    cl = LocalRedisCluster(tmp_path / "cluster").start()
+    r = command_client(cl.url)
+    try:
+        stream = "t:{wait}:s"
+        master = cl.master_of(stream)
+        replica = cl.replicas_of(master)[0]
+        prod = StreamProducer(r)
+        msg = CancelRequest(msg_id="m", request_id="r", tenant="t", reason="test")
+        w0 = _wait_calls(master)
+        await prod.add(stream, msg, durable=True)
+        await prod.add(stream, msg)  # not durable: no WAIT
+        assert _wait_calls(master) == w0 + 1 and _wait_calls(replica) == 0
+        monkeypatch.setenv("SLICESCHED_REDIS_WAIT_MS", "300")
+        lost0 = redis_util.unreplicated_writes
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            await prod.add(stream, msg, durable=True)  # no replica answers: the write goes on after the wait
+            slow = time.monotonic() - t0
+            t0 = time.monotonic()
+            await prod.add(stream, msg, durable=True)  # that master now rests from WAITs for 5 s
+            fast = time.monotonic() - t0
+        finally:
+            os.kill(replica.proc.pid, signal.SIGCONT)
+        assert slow >= 0.3 and redis_util.unreplicated_writes == lost0 + 1
+        assert fast < 0.25, fast
+        assert await r.xlen(stream) == 4
+    finally:
+        await r.aclose()
+        cl.stop()

@@ -94,10 +94,28 @@ class ClusterConfig:
         return self.intra_host_link if self.device(a).host == self.device(b).host else self.inter_host_link
 
 
+# The reference request of a per-request SLA (the median of the Azure LLM 2023 conv + code traces): its targets
+# are the one figure per tenant that admission control and the policies' heuristics read.
+REFERENCE_REQUEST = (1046, 90)
+
+
 @dataclass(frozen=True)
 class SLA:
+    """A tenant's latency targets.
+
+    Absolute (``slowdown`` 0): every request must meet ``ttft_ms`` and ``tpot_ms``. Per request (``slowdown`` > 0,
+    DESIGN §9's default): a request's targets are ``slowdown`` × its own isolated TTFT and TPOT on the tenant's
+    home device kind (:func:`shared.costmodel.sla.request_targets`); ``ttft_ms``/``tpot_ms`` then hold the targets
+    of :data:`REFERENCE_REQUEST`, for what needs one figure per tenant (admission, the policies' heuristics)."""
+
     ttft_ms: float
     tpot_ms: float
+    slowdown: float = 0.0
+    kind: str = ""  # per request: the device kind the isolated latencies are priced on (the first home device's)
+
+    @property
+    def per_request(self) -> bool:
+        return self.slowdown > 0
 
 
 @dataclass(frozen=True)
@@ -313,11 +331,6 @@ def parse_tenants(data: Any, file: str | Path = "<memory>", cluster: ClusterConf
             raise ConfigError(file, f"{path}.name", f"duplicate tenant name {name!r}")
         names.add(name)
         model = _parse_model(_req(t, "model", file, path, (str, dict)), file, f"{path}.model")
-        sla_raw = _req(t, "sla", file, path, dict)
-        ttft = _req(sla_raw, "ttft_ms", file, f"{path}.sla", (int, float))
-        tpot = _req(sla_raw, "tpot_ms", file, f"{path}.sla", (int, float))
-        if ttft <= 0 or tpot <= 0:
-            raise ConfigError(file, f"{path}.sla", "ttft_ms and tpot_ms must be positive")
         homes = _req(t, "home_devices", file, path, list)
         if not homes or not all(isinstance(h, str) for h in homes):
             raise ConfigError(file, f"{path}.home_devices", "expected a non-empty list of device ids")
@@ -325,6 +338,8 @@ def parse_tenants(data: Any, file: str | Path = "<memory>", cluster: ClusterConf
             for h in homes:
                 if h not in device_ids:
                     raise ConfigError(file, f"{path}.home_devices", f"unknown device {h!r} (not in {cluster.source})")
+        sla = _parse_sla(_req(t, "sla", file, path, dict), file, f"{path}.sla", model,
+                         cluster.device(homes[0]).kind if cluster is not None else None)
         hashes = []
         for j, k in enumerate(_req(t, "api_keys", file, path, list, default=[]) or []):
             if not isinstance(k, str) or len(k) < 8:
@@ -345,9 +360,35 @@ def parse_tenants(data: Any, file: str | Path = "<memory>", cluster: ClusterConf
         if max_queue <= 0:
             raise ConfigError(file, f"{path}.max_queue", "must be a positive integer")
         weight = _req(t, "weight", file, path, (int, float), default=1.0)
-        out.append(TenantConfig(name=name, model=model, sla=SLA(float(ttft), float(tpot)), home_devices=tuple(homes),
+        out.append(TenantConfig(name=name, model=model, sla=sla, home_devices=tuple(homes),
                                 api_key_hashes=tuple(hashes), max_queue=max_queue, quota=quota, weight=float(weight)))
     return TenantsConfig(tenants=tuple(out), source=str(file))
+
+
+def _parse_sla(raw: dict, file: str | Path, path: str, model: ModelSpec, kind: str | None) -> SLA:
+    """``{ttft_ms, tpot_ms}`` (absolute targets) or ``{slowdown: k}`` (k × each request's isolated latency on the
+    tenant's home device kind ``kind``, which must then be known: parse with the cluster)."""
+    for k in raw:
+        if k not in ("ttft_ms", "tpot_ms", "slowdown"):
+            raise ConfigError(file, f"{path}.{k}", "unknown field (valid: slowdown, or ttft_ms and tpot_ms)")
+    if "slowdown" in raw:
+        if "ttft_ms" in raw or "tpot_ms" in raw:
+            raise ConfigError(file, path, "give either slowdown (per-request targets) or ttft_ms and tpot_ms "
+                                          "(absolute targets), not both")
+        k = _req(raw, "slowdown", file, path, (int, float))
+        if not k > 1:
+            raise ConfigError(file, f"{path}.slowdown", f"must be > 1 (a multiple of the isolated latency), got {k!r}")
+        if kind is None:
+            raise ConfigError(file, f"{path}.slowdown", "a per-request SLA needs the cluster file (the home devices' "
+                                                        "kind prices each request's isolated latency)")
+        from shared.costmodel.sla import reference_targets  # lazy: the cost model reads this module
+        ttft_s, tpot_s = reference_targets(model.config, kind, float(k))
+        return SLA(ttft_s * 1e3, tpot_s * 1e3, float(k), kind)
+    ttft = _req(raw, "ttft_ms", file, path, (int, float))
+    tpot = _req(raw, "tpot_ms", file, path, (int, float))
+    if ttft <= 0 or tpot <= 0:
+        raise ConfigError(file, path, "ttft_ms and tpot_ms must be positive")
+    return SLA(float(ttft), float(tpot))
 
 
 def load_tenants(path: str | Path, cluster: ClusterConfig | None = None) -> TenantsConfig:

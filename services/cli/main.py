@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.cli.up", "start Redis (embedded default) and every service; Ctrl-C stops all"),
     "check-config": ("services.cli.check_config", "validate cluster.yaml and tenants.yaml"),
     "simulate": ("services.cli.simulate", "replay a workload on a modelled cluster with one policy (offline)"),
+    "plan": ("services.cli.plan", "plan each tenant's containers for a workload under the SLA (simulated)"),
     "profile": ("services.cli.profile", "micro-benchmark the real operators on a local device, write a profile"),
     "inspect": ("services.cli.inspect", "show devices, tenants, leases, forecasts, streams, a request's journey"),
 }

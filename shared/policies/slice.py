@@ -32,7 +32,7 @@ SHARE_EPS = 1e-6
 class SliceConfig(PolicyConfig):
     """Parameters (docs/policies.md)."""
 
-    resize: bool = True  # containers sized from offered work, as for ``container``
+    resize: bool = False  # True: containers sized from average offered work, as ``container-avgwork``
     behind_fraction: float = 0.5  # seek a lease when predicted TTFT or TPOT exceeds this fraction of the target
     tenant_behind_fraction: float = 0.5  # ... on at least this fraction of the tenant's container
     max_candidates: int = 16  # guest devices asked about per decision ("sequences" candidates)

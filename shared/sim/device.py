@@ -113,6 +113,8 @@ class SimDevice:
             return ready[0]
         if self.sharing == "weighted":
             return min(ready, key=lambda e: (self.used_s.get(e.eid, 0.0) / self.weights.get(e.tenant, 1.0), e.eid))
+        if self.sharing == "edf":
+            return min(ready, key=lambda e: (e.deadline(), e.eid))
         if self.sharing == "switch":
             last = self.last_engine
             if last in ready and self.quantum_used < self.quantum:

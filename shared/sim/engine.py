@@ -75,6 +75,22 @@ class Engine:
             t = self.waiting[0].arrival
         return t
 
+    def deadline(self) -> float:
+        """Earliest SLA deadline among this engine's requests (their targets must be set): the first token of a
+        request waiting or in prefill (arrival + TTFT target), or the next token of a decoding one (first token +
+        tokens so far × TPOT target); ``inf`` when it has none."""
+        t = math.inf
+        for q in (self.prefilling, self.waiting):
+            for r in q:
+                d = r.arrival + r.ttft_t
+                if d < t:
+                    t = d
+        for r in self.decoding:
+            d = r.first_token + r.generated * r.tpot_t
+            if d < t:
+                t = d
+        return t
+
     def kv_need(self, req: SimRequest) -> int:
         blocks = -(-(req.input + req.output) // self.cfg.kv_block_tokens)
         return blocks * self.block_bytes

@@ -67,13 +67,13 @@ GOLDEN = {"requests": 1680, "events": 6280, "tokens_per_s": 2212.744444, "violat
 
 def test_golden_fixed_seed_run():
     c, t, w = _setup(seed=11, duration=90.0, rates=(14.0, 3.0, 2.5))
-    sim, r = _run(c, t, w)
+    sim, r = _run(c, t, w, "container-avgwork")  # containers sized by average work, as this golden was taken
     got = {"requests": r.total["requests"], "events": r.events, "tokens_per_s": round(r.tokens_per_s, 6),
            "violation_rate": round(r.violation_rate, 9), "ttft_p99": round(r.total["ttft_ms"]["p99"], 6),
            "tpot_p50": round(r.total["tpot_ms"]["p50"], 6)}
     assert got == GOLDEN
     # and again: same seed, same numbers
-    _, r2 = _run(c, t, w)
+    _, r2 = _run(c, t, w, "container-avgwork")
     assert r2.to_dict() == r.to_dict()
 
 

@@ -9,7 +9,7 @@ import uuid
 
 from shared.config import ClusterConfig, TenantsConfig
 from shared.gmg import GMGStore, Reservation
-from shared.gmg.leases import LeaseStore
+from shared.gmg.lease_store import LeaseStore
 from shared.messages import InferenceRequest, RequestStarted, WorkerHeartbeat
 from services.gmg.core import GMGCore
 

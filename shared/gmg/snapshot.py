@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from shared.gmg.keys import GMGKeys
-from shared.gmg.leases import Lease
+from shared.gmg.lease_store import Lease
 from shared.gmg.store import Reservation
 
 

@@ -8,7 +8,7 @@ from typing import Callable
 from shared.config import DeviceConfig
 from shared.costmodel.profiles import DeviceProfile
 from shared.sim.replica import SimReplica
-from shared.sim.lease import ACTIVE, DRAINING, SimLease
+from shared.sim.sim_lease import ACTIVE, DRAINING, SimLease
 from shared.sim.memory import DeviceMemory
 
 MIN_GUEST_SHARE = 0.02  # a guest lane is paused, not stopped, while the device's own tenant prefills

@@ -16,7 +16,7 @@ from shared.sim.request import DONE, RUNNING, SimRequest
 
 if TYPE_CHECKING:
     from shared.sim.device import SimDevice
-    from shared.sim.lease import SimLease
+    from shared.sim.sim_lease import SimLease
     from shared.sim.simulator import SimConfig
 
 

@@ -21,7 +21,7 @@ from shared.policies.rates import ArrivalStats
 from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
 from shared.sim.device import SimDevice
 from shared.sim.replica import SimReplica
-from shared.sim.leases import LeaseBook
+from shared.sim.lease_book import LeaseBook
 from shared.sim.metrics import SimResult, collect
 from shared.sim.request import FAILED, REJECTED, SimRequest
 from shared.workload import Workload

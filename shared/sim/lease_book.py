@@ -9,7 +9,7 @@ from shared.model.graph import parse_segment
 from shared.policies.actions import ExtendLease, GrantLease, Reassign, RevokeLease, Trigger
 from shared.policies.snapshot import LeaseState
 from shared.sim.replica import SimReplica
-from shared.sim.lease import ACTIVE, DRAINING, ENDED, REVOKED, STAGING, SimLease
+from shared.sim.sim_lease import ACTIVE, DRAINING, ENDED, REVOKED, STAGING, SimLease
 from shared.sim.offload import OffloadPart
 
 if TYPE_CHECKING:

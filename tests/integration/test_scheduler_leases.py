@@ -1,11 +1,11 @@
-"""The live scheduler's lease commits (services/scheduler/live.py LeaseManager) against a real Redis: one GMG
+"""The live scheduler's lease commits (services/scheduler/policy_bridge.py LeaseManager) against a real Redis: one GMG
 commit stages and leases, grants of one decision commit concurrently and are announced to both workers, and a
 stale view of what is resident falls back to staging first."""
 from __future__ import annotations
 
 import pytest
 
-from services.scheduler.live import LeaseManager
+from services.scheduler.policy_bridge import LeaseManager
 from shared.codec import decode
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore, Reservation

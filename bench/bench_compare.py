@@ -28,9 +28,9 @@ BOUNDS = {"9": 0.09, "1": 0.01}
 
 # fidelity -> "module:function"; the function runs one point: (args, policy, scale) -> result dict with at least
 # tokens_per_s and violation_rate. Other fidelity levels add their entry here.
-FIDELITIES: dict[str, str] = {"sim": "services.cli.bench_compare:run_sim_point",
-                              "emulated": "services.cli.compare_mesh:run_emulated_point",
-                              "real": "services.cli.compare_mesh:run_real_point"}
+FIDELITIES: dict[str, str] = {"sim": "bench.bench_compare:run_sim_point",
+                              "emulated": "bench.compare_mesh:run_emulated_point",
+                              "real": "bench.compare_mesh:run_real_point"}
 SERIAL_FIDELITIES = {"emulated", "real"}  # one mesh at a time on this machine; the policies' points alternate
 
 
@@ -136,7 +136,7 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float) -> dict[s
             cmd += ["--seed", str(args.seed)]
         if args.duration_s is not None:
             cmd += ["--duration-s", repr(args.duration_s)]
-        p = CHILDREN.run(cmd, Path(__file__).resolve().parents[2])
+        p = CHILDREN.run(cmd, Path(__file__).resolve().parents[1])
         if p.returncode != 0:
             raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
         r = json.loads(out.read_text())

@@ -10,7 +10,7 @@ from shared.policies.actions import ExtendLease, GrantLease, Reassign, RevokeLea
 from shared.policies.snapshot import LeaseState
 from shared.sim.replica import SimReplica
 from shared.sim.sim_lease import ACTIVE, DRAINING, ENDED, REVOKED, STAGING, SimLease
-from shared.sim.offload import OffloadPart
+from shared.costmodel.offload import OffloadPart
 
 if TYPE_CHECKING:
     from shared.sim.device import SimDevice

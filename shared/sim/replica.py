@@ -11,7 +11,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 from shared.costmodel.model_cost import ModelCost
-from shared.sim.offload import offloaded_iteration_time
+from shared.costmodel.offload import offloaded_iteration_time
 from shared.sim.request import DONE, RUNNING, SimRequest
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared.sim.offload import OffloadPart
+from shared.costmodel.offload import OffloadPart
 
 if TYPE_CHECKING:
     from shared.sim.device import SimDevice

@@ -1,7 +1,8 @@
 """``slicesched`` command: one subcommand per module, imported lazily so each stays cheap to start.
 
-A subcommand module defines ``configure(parser)`` and ``run(args) -> int``. Configuration problems
-(:class:`shared.config.ConfigError`) and bad arguments print one line naming the file/field and exit 2.
+The ``bench`` subcommands live in the :mod:`bench` package (evaluation, apart from the product) and are named here
+only as module strings. A subcommand module defines ``configure(parser)`` and ``run(args) -> int``. Configuration
+problems (:class:`shared.config.ConfigError`) and bad arguments print one line naming the file/field and exit 2.
 """
 from __future__ import annotations
 

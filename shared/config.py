@@ -15,24 +15,17 @@ from typing import Any
 
 import yaml
 
+from shared.config_error import ConfigError
+from shared.costmodel.profiles import LINK_KINDS
 from shared.model.config import PRESETS, ModelConfig
 
 BACKENDS = ("cpu", "cuda", "emulated")
 DEVICE_KINDS = ("cpu", "a100-80gb", "h100-80gb", "h200")
-LINK_KINDS = ("shm", "tcp", "cuda_ipc", "nccl", "nvlink", "pcie")
 GIB = 1024**3
 
 
 # The live scheduler's policy unless ``--policy`` / ``SLICESCHED_POLICY`` names another (docs/policies.md).
 DEFAULT_POLICY = "slice"
-
-
-class ConfigError(ValueError):
-    """A configuration problem: ``file: field: what is wrong``."""
-
-    def __init__(self, file: str | Path, field_path: str, problem: str) -> None:
-        self.file, self.field_path, self.problem = str(file), field_path, problem
-        super().__init__(f"{file}: {field_path}: {problem}")
 
 
 def env_number(name: str, default: float, kind: type = float, *, minimum: float | None = None,
@@ -94,11 +87,6 @@ class ClusterConfig:
         return self.intra_host_link if self.device(a).host == self.device(b).host else self.inter_host_link
 
 
-# The reference request of a per-request SLA (the median of the Azure LLM 2023 conv + code traces): its targets
-# are the one figure per tenant that admission control and the policies' heuristics read.
-REFERENCE_REQUEST = (1046, 90)
-
-
 @dataclass(frozen=True)
 class SLA:
     """A tenant's latency targets.
@@ -106,7 +94,7 @@ class SLA:
     Absolute (``slowdown`` 0): every request must meet ``ttft_ms`` and ``tpot_ms``. Per request (``slowdown`` > 0,
     DESIGN §9's default): a request's targets are ``slowdown`` × its own isolated TTFT and TPOT on the tenant's
     home device kind (:func:`shared.costmodel.sla.request_targets`); ``ttft_ms``/``tpot_ms`` then hold the targets
-    of :data:`REFERENCE_REQUEST`, for what needs one figure per tenant (admission, the policies' heuristics)."""
+    of the reference request (:data:`shared.costmodel.sla.REFERENCE_REQUEST`), for what needs one figure per tenant (admission, the policies' heuristics)."""
 
     ttft_ms: float
     tpot_ms: float

@@ -3,7 +3,7 @@
 Profiles live as YAML files in ``shared/costmodel/profiles/`` (one per device kind). GPU profiles ship with
 datasheet peaks and estimated efficiencies (``source: "datasheet, uncalibrated"``); ``slicesched profile``
 replaces a profile with measured values. Every problem in a profile file raises
-:class:`shared.config.ConfigError` naming the file and field.
+:class:`shared.config_error.ConfigError` naming the file and field.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from typing import Any
 
 import yaml
 
-from shared.config import LINK_KINDS, ConfigError
+from shared.config_error import ConfigError
+
+LINK_KINDS = ("shm", "tcp", "cuda_ipc", "nccl", "nvlink", "pcie")  # tensor transports between devices
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 OP_CLASSES = ("gemm", "attention", "elementwise", "embedding")
@@ -72,7 +74,7 @@ class DeviceProfile:
         return self.launch_overhead_by_class.get(op_class, self.launch_overhead_s)
 
     def link(self, kind: str) -> LinkSpec:
-        """The link spec for ``kind`` (one of shared.config.LINK_KINDS)."""
+        """The link spec for ``kind`` (one of LINK_KINDS)."""
         try:
             return self.links[kind]
         except KeyError:

@@ -327,7 +327,7 @@ class SlicePolicy(Policy):
                 free: int, whatif: Any) -> int:
         """How many MLP layers to move: the count (of half, three quarters or all free layers) with the shortest
         predicted iteration for the home's current batch."""
-        from shared.sim.offload import OffloadPart, offloaded_iteration_time
+        from shared.costmodel.offload import OffloadPart, offloaded_iteration_time
         from shared.costmodel import load_profile
         it, b, p, sampled = whatif.device_iteration(hcost, d)
         link = load_profile(d.kind).link(snapshot.link_kind(d.id, g.id))

@@ -22,8 +22,8 @@ from shared.policies.rates import ArrivalStats
 from shared.policies.sizing import offered_loads
 from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
 from shared.sim.device import SimDevice
-from shared.sim.engine import Engine
-from shared.sim.leases import LeaseBook
+from shared.sim.replica import SimReplica
+from shared.sim.lease_book import LeaseBook
 from shared.sim.metrics import SimResult, collect
 from shared.sim.request import FAILED, REJECTED, SimRequest
 from shared.workload import Workload
@@ -102,7 +102,7 @@ class Simulator:
     def model_of(self, tenant: str):
         return self.snapshot.tenants[tenant].model
 
-    def engine_of(self, dev: SimDevice, tenant: str) -> Engine | None:
+    def engine_of(self, dev: SimDevice, tenant: str) -> SimReplica | None:
         """The engine that takes new requests of ``tenant`` on ``dev`` (its own, or a guest lane's)."""
         for e in dev.engines:
             if e.tenant == tenant and not e.draining:
@@ -113,14 +113,14 @@ class Simulator:
                     return e
         return None
 
-    def add_engine(self, dev: SimDevice, tenant: str, charge_weights: bool = True) -> Engine | None:
+    def add_engine(self, dev: SimDevice, tenant: str, charge_weights: bool = True) -> SimReplica | None:
         """Open an engine of ``tenant`` on ``dev`` (reserving its weights unless they are free)."""
         cost = cost_for(self.model_of(tenant), dev.kind)
         wb = cost.weight_bytes if charge_weights else 0
         if wb and not (dev.mem.make_room(wb, self.now) and dev.mem.try_alloc("weights", wb, self.now)):
             if not self._evict_idle_engine(dev, wb):
                 return None
-        eng = Engine(self.next_id("e"), tenant, dev, cost, self.cfg, self._on_first_token, self._on_finish, wb)
+        eng = SimReplica(self.next_id("e"), tenant, dev, cost, self.cfg, self._on_first_token, self._on_finish, wb)
         eng.tpot_s = self.snapshot.tenants[tenant].sla.tpot_ms / 1000.0
         eng.ttft_s = self.snapshot.tenants[tenant].sla.ttft_ms / 1000.0
         dev.engines.append(eng)
@@ -141,7 +141,7 @@ class Simulator:
                     return True
         return False
 
-    def remove_engine(self, dev: SimDevice, eng: Engine) -> None:
+    def remove_engine(self, dev: SimDevice, eng: SimReplica) -> None:
         dev.engines.remove(eng)
         if eng.weights_bytes:
             dev.mem.release("weights", eng.weights_bytes, self.now)
@@ -247,8 +247,8 @@ class Simulator:
                 dev.switch_cost = self._switch_cost_fn(dev)
             self.refresh(dev)
 
-    def _switch_cost_fn(self, dev: SimDevice) -> Callable[[Engine], float]:
-        def cost(eng: Engine) -> float:
+    def _switch_cost_fn(self, dev: SimDevice) -> Callable[[SimReplica], float]:
+        def cost(eng: SimReplica) -> float:
             fresh = eng.eid in self._fresh
             self._fresh.discard(eng.eid)
             return self.policy.switch_cost_s(dev.kind, eng.tenant, resident=not fresh)

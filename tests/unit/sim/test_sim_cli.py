@@ -148,7 +148,7 @@ def test_mesh_fidelity_searches_take_turns(monkeypatch):
     import argparse
     import time as _time
 
-    from services.cli import bench_compare
+    from bench import bench_compare
 
     order, running = [], []
     limit = {"container": 3.0, "slice": 9.0}  # slice needs more points: its boundary is further out
@@ -179,7 +179,7 @@ def test_confirmed_search_replays_the_boundary_and_drops_a_lucky_pass(monkeypatc
     the bisection goes on below it; the reported throughput is the replays' mean."""
     import argparse
 
-    from services.cli import bench_compare
+    from bench import bench_compare
 
     calls: dict[float, int] = {}
 
@@ -221,7 +221,7 @@ def test_an_interrupt_stops_every_search_and_its_subprocesses(monkeypatch):
     import signal
     import time as _time
 
-    from services.cli import bench_compare
+    from bench import bench_compare
 
     started = []
 

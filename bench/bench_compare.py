@@ -35,9 +35,9 @@ TUNING_SEEDS = (101, 102)  # arrival seeds the partition is planned on; never re
 # result dict with at least tokens_per_s and violation_rate (and, where known, worst_tenant_violation_rate, tenants).
 # ``seed`` is the arrival seed (None: the file's); ``stop_above`` lets a point stop once it is known to violate more
 # than that bound (it then carries ``stopped_early``). Other fidelity levels add their entry here.
-FIDELITIES: dict[str, str] = {"sim": "services.cli.bench_compare:run_sim_point",
-                              "emulated": "services.cli.compare_mesh:run_emulated_point",
-                              "real": "services.cli.compare_mesh:run_real_point"}
+FIDELITIES: dict[str, str] = {"sim": "bench.bench_compare:run_sim_point",
+                              "emulated": "bench.compare_mesh:run_emulated_point",
+                              "real": "bench.compare_mesh:run_real_point"}
 SERIAL_FIDELITIES = {"emulated", "real"}  # one mesh at a time on this machine; the policies' points alternate
 
 
@@ -181,7 +181,7 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
             cmd += ["--scale-mode", args.scale_mode]
         if stop_above is not None:
             cmd += ["--stop-above", repr(stop_above)]
-        p = CHILDREN.run(cmd, Path(__file__).resolve().parents[2])
+        p = CHILDREN.run(cmd, Path(__file__).resolve().parents[1])
         if p.returncode != 0:
             raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
         return point_summary(json.loads(out.read_text()))

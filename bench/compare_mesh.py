@@ -105,7 +105,7 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
                 hook.finished(launcher, policy, scale, summary)
         finally:
             launcher.stop(drain_s=10)
-    from services.cli.bench_compare import point_summary
+    from bench.bench_compare import point_summary
     return point_summary({"tokens_per_s": summary["tokens_per_s"], "violation_rate": summary["violation_rate"],
                           "wall_s": time.perf_counter() - t0, "leases": leases, "cpu_s": cpu,
                           "tenants": summary.get("tenants") or {}}) | {

@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nlargest family MAPE: {worst[0]:.1%} ({worst[1]}); {len(data.compute)} model files, "
           f"{sum(len(t.rows) for t in data.compute)} TP-1 rows x 10 operators ({time.perf_counter() - t0:.1f} s)")
     if args.json_out:
-        doc = {"against": str(Path(args.against).resolve()), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-               "profiles": {g: {"kind": p.kind, "source": p.source, "file": p.file} for g, p in profiles.items()},
+        doc = {"against": args.against, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+               "profiles": {g: {"kind": p.kind, "source": p.source, "file": _rel(p.file)} for g, p in profiles.items()},
                "after": after, "before": old, "fit": fit_doc}
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(doc, indent=1))
@@ -97,6 +97,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"above --max-mape {args.max_mape:.1%}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rel(path: str) -> str:
+    """``path`` relative to the working directory when it is below it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 def _fit(args: argparse.Namespace, data, bases: dict) -> tuple[dict, dict]:

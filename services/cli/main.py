@@ -35,6 +35,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "simspeed": ("bench.bench_simspeed", "simulator speed: events/s on a trace"),
     "results": ("bench.bench_results", "regenerate docs/results.md and the README headline"),
     "overload": ("bench.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
+    "costmodel": ("bench.bench_costmodel", "GPU cost model vs measured H100/A100 timings (Vidur); --fit-out"),
 }
 
 

@@ -36,7 +36,7 @@ def main() -> int:
             raise ConfigError(tenants.source, "home_devices",
                               f"device {device.id!r} must be home to exactly one tenant, found {len(homes)}")
         knobs = engine_knobs()
-        from services.worker.leases import LeaseOptions
+        from services.worker.lease_agent import LeaseOptions
         from services.worker.service import worker_env_threads
         lease_options = LeaseOptions.from_env()
         worker_env_threads(device)

@@ -42,7 +42,7 @@ RELEASE_RETRY_S = 120.0  # a release is retried (idempotent) this long while Red
 
 # KEYS: gateways, inflight total, inflight tenant, tokens tenant, held (this gateway), gone (this request)
 # ARGV: gateway, request id, tenant, tokens, max_queue, max_concurrency (0 = none), tokens_per_min (0 = none),
-#       max_inflight, lease_ms, window_s
+#       max_inflight, lease_ms, window_s, force ('1': count without checking: the gateway decided alone)
 # -> {'ok', tenant in flight, second} | {reason, count, retry_after_s}
 ADMIT = LuaScript("""
 local t = redis.call('TIME')
@@ -50,6 +50,7 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local gw, rid, tenant, tokens = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local max_queue, max_conc, tpm = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local max_inflight, lease_ms, window = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local force = ARGV[11] == '1'
 if redis.call('EXISTS', KEYS[6]) == 1 then return {'released', 0, 1} end
 if redis.call('HEXISTS', KEYS[5], rid) == 1 then return {'ok', 0, 0} end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
@@ -67,8 +68,8 @@ local function live_sum(key)
   return sum
 end
 local tin = live_sum(KEYS[3])
-if tin >= max_queue then return {'queue_full', tin, 1} end
-if max_conc > 0 and tin >= max_conc then return {'concurrency', tin, 1} end
+if not force and tin >= max_queue then return {'queue_full', tin, 1} end
+if not force and max_conc > 0 and tin >= max_conc then return {'concurrency', tin, 1} end
 local sec = math.floor(now_ms / 1000)
 if tpm > 0 then
   local flat = redis.call('HGETALL', KEYS[4])
@@ -82,7 +83,7 @@ if tpm > 0 then
       buckets[#buckets + 1] = {s, n}
     end
   end
-  if used + tokens > tpm then
+  if not force and used + tokens > tpm then
     local retry = window
     if tokens <= tpm then
       table.sort(buckets, function(a, b) return a[1] < b[1] end)
@@ -100,7 +101,7 @@ if tpm > 0 then
 else
   tokens = 0
 end
-if max_inflight > 0 then
+if max_inflight > 0 and not force then
   local total = live_sum(KEYS[2])
   if total >= max_inflight then return {'overloaded', total, 1} end
 end
@@ -158,6 +159,8 @@ class QuotaStore:
         self.k_gateways, self.k_total = f"{self._base}gateways", f"{self._base}inflight"
         self.k_held = f"{self._base}held:{gateway}"
         self._tasks: set[asyncio.Task] = set()
+        self.alone = False  # the last renewal found no other live gateway (until then: assume there are others)
+        self._renewals = self._renewed = 0
 
     def _tenant_keys(self, tenant: str, rid: str) -> list[str]:
         b = self._base
@@ -165,16 +168,35 @@ class QuotaStore:
 
     async def admit(self, tenant: TenantConfig, rid: str, tokens: int) -> Refusal | None:
         """Count request ``rid`` if every shared bound allows it; a :class:`Refusal` if one does not. Raises a
-        Redis error or TimeoutError: then :meth:`release` it (the script may still run)."""
+        Redis error or TimeoutError: then :meth:`release` it (the script may still run).
+
+        While this gateway is the only live one (its last lease renewal said so), its own counts are the whole
+        counts: the local checks have decided, and the request is counted in Redis in the background, without a
+        round trip on the request's path (another replica that starts sees it; until this gateway learns of that
+        replica, at most one renewal interval, the two may admit a little past a bound together)."""
         q = tenant.quota
         tk, tok, held, gone = self._tenant_keys(tenant.name, rid)
         keys = [self.k_gateways, self.k_total, tk, tok, held, gone]
         args = [self.gateway, rid, tenant.name, tokens, tenant.max_queue, q.max_concurrency or 0,
-                q.tokens_per_min or 0, self.max_inflight, self.lease_ms, WINDOW_S]
-        reply = (await asyncio.wait_for(run_pipeline(self.redis, lambda p: ADMIT.queue(p, keys, args),
-                                                     scripts=[ADMIT]), timeout=self.timeout_s))[0]
+                q.tokens_per_min or 0, self.max_inflight, self.lease_ms, WINDOW_S, "1" if self.alone else "0"]
+        call = run_pipeline(self.redis, lambda p: ADMIT.queue(p, keys, args), scripts=[ADMIT])
+        if self.alone:
+            self._background(call, "quota_count_failed", rid)
+            return None
+        reply = (await asyncio.wait_for(call, timeout=self.timeout_s))[0]
         reason = _s(reply[0])
         return None if reason == "ok" else Refusal(reason, int(reply[1]), int(reply[2]))
+
+    def _background(self, call, event: str, rid: str) -> None:
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(call, timeout=self.timeout_s)
+            except (asyncio.TimeoutError, *REDIS_ERRORS) as e:
+                log.debug(event, request_id=rid, error=repr(e))
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def release(self, tenant: str, rid: str, *, refund: bool = False) -> None:
         """Uncount request ``rid`` (``refund``: give its tokens back to the quota), in the background and retried
@@ -206,15 +228,21 @@ class QuotaStore:
         if leave:
             await asyncio.wait_for(self.redis.zrem(self.k_gateways, self.gateway), timeout=self.timeout_s)
             return
-        # the lease is set from the server's clock inside a script, as admissions do
-        await asyncio.wait_for(run_pipeline(self.redis, lambda p: _RENEW.queue(
-            p, [self.k_gateways], [self.gateway, self.lease_ms]), scripts=[_RENEW]), timeout=self.timeout_s)
+        # the lease is set from the server's clock inside a script, as admissions do; it returns the live gateways
+        self._renewals += 1
+        seq = self._renewals
+        live = (await asyncio.wait_for(run_pipeline(self.redis, lambda p: _RENEW.queue(
+            p, [self.k_gateways], [self.gateway, self.lease_ms]), scripts=[_RENEW]), timeout=self.timeout_s))[0]
+        if seq > self._renewed:  # a slower, older renewal must not overwrite a newer answer
+            self._renewed = seq
+            self.alone = int(live) == 1
 
     async def renew_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 await self.renew()
             except (asyncio.TimeoutError, *REDIS_ERRORS) as e:
+                self.alone = False  # no news of the others: check with them on every admission
                 log.debug("quota_renew_failed", error=repr(e))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=RENEW_S)
@@ -233,8 +261,10 @@ class QuotaStore:
 
 _RENEW = LuaScript("""
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2]), ARGV[1])
-return 1
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
+redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[2]), ARGV[1])
+return redis.call('ZCARD', KEYS[1])
 """)
 
 

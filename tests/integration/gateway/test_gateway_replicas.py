@@ -31,6 +31,10 @@ async def _replicas(redis_url, prefix, n=3, **limits):
     responder, stop = Responder(redis_url, prefix), asyncio.Event()
     task = asyncio.create_task(responder.run(stop))
     gws[0].responder = responder
+    for _ in range(2):  # a renewal after every replica's first: each knows it is not alone (the loop: <= 1 s)
+        for g in gws:
+            await g.quota.renew()
+    assert not any(g.quota.alone for g in gws)
 
     async def close():
         stop.set()
@@ -111,3 +115,21 @@ async def test_a_dead_gateways_counts_expire_and_releases_are_idempotent(redis, 
     await asyncio.gather(*b._tasks)
     assert isinstance(await b.admit(tq, "r8", 1), Refusal)  # the late admission counts nothing
     assert await b.admit(tq, "r9", 1) is None  # r6's slot is free
+
+
+async def test_a_gateway_alone_counts_in_the_background_and_a_new_replica_sees_it(redis, prefix):
+    tq = parse_tenants(TENANTS).get("tq")  # max_concurrency 2
+    a = QuotaStore(redis, prefix, "gw-a", max_inflight=100, timeout_s=2.0)
+    await a.renew()
+    assert a.alone  # the only live gateway: its local checks decide, Redis is told off the request's path
+    for rid in ("r1", "r2"):
+        assert await a.admit(tq, rid, 1) is None
+    await asyncio.gather(*a._tasks)
+    b = QuotaStore(redis, prefix, "gw-b", max_inflight=100, timeout_s=2.0)
+    await b.renew()
+    assert not b.alone
+    refused = await b.admit(tq, "r3", 1)  # a's two requests are counted
+    assert isinstance(refused, Refusal) and refused.count == 2
+    await a.renew()
+    assert not a.alone  # a learns of b at its next renewal and checks with Redis again
+    assert isinstance(await a.admit(tq, "r4", 1), Refusal)

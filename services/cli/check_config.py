@@ -1,18 +1,19 @@
-"""``slicesched check-config``: validate the cluster and tenants files."""
+"""``slicesched check-config``: validate the cluster and tenants files, the policy and the environment exactly as
+``slicesched up`` does before it starts anything (:mod:`services.cli.preflight`); the same refusals, the same
+messages, exit status 2."""
 from __future__ import annotations
 
 import argparse
 
-from shared.config import REPO_CONFIGS, load_cluster, load_tenants
+from services.cli.preflight import add_config_args, check_mesh
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster.yaml"))
-    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"))
+    add_config_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster = load_cluster(args.cluster)
-    tenants = load_tenants(args.tenants, cluster)
-    print(f"ok: {len(cluster.devices)} devices in {args.cluster}, {len(tenants.tenants)} tenants in {args.tenants}")
+    mesh = check_mesh(args.cluster, args.tenants, args.policy)
+    print(f"ok: {len(mesh.cluster.devices)} devices in {args.cluster}, {len(mesh.tenants.tenants)} tenants in "
+          f"{args.tenants}, policy {mesh.policy}")
     return 0

@@ -20,7 +20,7 @@ from services.cli.main import main as cli_main
 from shared.requests_state import TERMINAL_STATES
 from support.mesh import start_mesh, stop_mesh
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]  # two mesh starts each: past the suite's 120 s default
 
 EXPIRY = {"SLICESCHED_STREAM_EXPIRY_S": "2"}
 

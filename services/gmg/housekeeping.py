@@ -38,15 +38,18 @@ class Housekeeper:
         self.options = options or ReconcileOptions()
 
     # ------------------------------------------------------------ reconciliation
-    async def reconcile(self, stop: asyncio.Event | None = None) -> ReconcilePlan:
+    async def reconcile(self, stop: asyncio.Event | None = None) -> ReconcilePlan | None:
         """Remove what the config no longer describes. While a worker of the old config still runs, wait up to
-        ``wait_s`` for it to stop, then raise :class:`ReconcileRefused` naming it (its work would be lost)."""
+        ``wait_s`` for it to stop, then raise :class:`ReconcileRefused` naming it (its work would be lost).
+        ``None`` when ``stop`` was set while waiting (nothing removed)."""
         deadline = time.monotonic() + self.options.wait_s
         while True:
             plan = plan_reconcile(await self.read_state(), self.want, self.keys)
             if not plan.conflicts:
                 break
-            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+            if stop is not None and stop.is_set():
+                return None
+            if time.monotonic() >= deadline:
                 log.error("gmg_reconcile_refused", conflicts=plan.conflicts)
                 raise ReconcileRefused(plan.conflicts)
             log.warning("gmg_reconcile_waiting", conflicts=plan.conflicts,

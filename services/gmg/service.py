@@ -57,7 +57,8 @@ class GMGService:
         delay = 0.1
         while not self.shell.stop.is_set():
             try:
-                await self.housekeeper.reconcile(self.shell.stop)
+                if await self.housekeeper.reconcile(self.shell.stop) is None:
+                    return  # stopped while waiting for an old-config worker
                 epoch = await self.store.register_cluster(self.cluster, self.tenants)
                 await self._restore()
                 self.m_epoch.set(epoch)
@@ -94,6 +95,8 @@ class GMGService:
         hb = asyncio.ensure_future(self.shell.heartbeat_loop())
         try:
             await self.start()
+            if self.shell.stop.is_set():
+                return
             self.shell.ready = True
             log.info("gmg_ready", name=self.name)
             await run_tasks(self.shell, self.consumer.run(self.shell.stop), self.consumer.reclaim_loop(self.shell.stop),

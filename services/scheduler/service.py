@@ -115,7 +115,7 @@ class SchedulerService:
         placed on a device or for a tenant the config no longer has end with a clear error to their gateway."""
         configured = [d.id for d in self.cluster.devices]
         head = assigned_key(self.p, "")
-        removed = sorted({k.decode()[len(head):] async for k in self.redis.scan_iter(match=_glob(head) + "*")}
+        removed = sorted({k.decode()[len(head):] async for k in self.redis.scan_iter(match=_glob(head) + "*", count=1000)}
                          - set(configured))
         ended = 0
         for did in configured + removed:

@@ -58,6 +58,7 @@ class Desired:
     home_of: dict[str, str]  # device -> its home tenant (devices home to no tenant are absent)
     segments: dict[str, dict[str, int]]  # tenant -> segment -> weight bytes
     model_ids: dict[str, str]
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # tenant -> the model's weight bytes
     cluster_source: str = "cluster config"
     tenants_source: str = "tenants config"
 
@@ -68,6 +69,7 @@ class Desired:
                    home_of={d: t.name for t in tenants.tenants for d in t.home_devices},
                    segments={t.name: _segments(t.model.config) for t in tenants.tenants},
                    model_ids={t.name: model_id(t.model) for t in tenants.tenants},
+                   weight_bytes={t.name: t.model.config.weight_bytes() for t in tenants.tenants},
                    cluster_source=cluster.source, tenants_source=tenants.source)
 
 
@@ -179,7 +181,7 @@ def _model_changed(row: dict[str, str], want: Desired, tenant: str) -> bool:
     if row.get("model_id"):
         return row["model_id"] != want.model_ids[tenant]
     # written before model ids existed: compare the weight bytes
-    return str(row.get("weight_bytes", "")) != str(sum(want.segments[tenant].values()))
+    return str(row.get("weight_bytes", "")) != str(want.weight_bytes.get(tenant, ""))
 
 
 def _conflicts(plan: ReconcilePlan, state: StoredState, want: Desired) -> None:

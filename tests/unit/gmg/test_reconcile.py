@@ -122,6 +122,15 @@ def test_running_workers_of_the_old_config_are_conflicts():
     assert not plan_reconcile(st, Desired.from_config(CLUSTER2, new), K).conflicts
 
 
+def test_tenant_rows_without_a_model_id_compare_the_weight_bytes():
+    st = stored(CLUSTER3, OLD)
+    for t in OLD.tenants:
+        st.tenant_rows[t.name] = {"name": t.name, "weight_bytes": str(t.model.config.weight_bytes())}
+    assert not plan_reconcile(st, Desired.from_config(CLUSTER3, OLD), K).changed_models
+    st.tenant_rows["b"]["weight_bytes"] = "1"
+    assert plan_reconcile(st, Desired.from_config(CLUSTER3, OLD), K).changed_models == ["b"]
+
+
 def test_keys_outside_the_registry_sets_are_found():
     st = stored(CLUSTER2, tenants(("a", "tiny", ["d0"]), ("b", "tiny", ["d1"])))
     st.gmg_keys += [K.busy("ghost"), K.tenant("gone")]  # a device / tenant missing from the sets

@@ -1,8 +1,9 @@
-"""Restarts of the launched mesh (``slicesched up``) on one private Redis data dir reconcile with the config: a
-second start with a changed cluster and tenants file shows only what is configured (no ghost tenant, device,
-residency or reservation), a restart after a SIGKILL of the whole mesh ends every in-flight request and drops what
-is no longer configured, dead gateways' streams expire, and the first request after the launcher reports ready
-succeeds."""
+"""Restarts of the launched mesh (``slicesched up``) on one private Redis data dir reconcile with the config. One
+flow of three starts (each start costs tens of seconds here, so the phases share them): a second start with a
+changed cluster and tenants file shows only what is configured (no ghost tenant, device, residency or reservation);
+a third start after a SIGKILL of the whole mesh under load ends every in-flight request and drops what is no
+longer configured; dead gateways' and removed devices' streams expire; after every start the first request sent
+once the launcher reports ready succeeds."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,7 @@ from services.cli.main import main as cli_main
 from shared.requests_state import TERMINAL_STATES
 from support.mesh import start_mesh, stop_mesh
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]  # two mesh starts each: past the suite's 120 s default
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # three mesh starts: past the suite's 120 s default
 
 EXPIRY = {"SLICESCHED_STREAM_EXPIRY_S": "2"}
 
@@ -113,40 +114,6 @@ def _keys(r, pattern: str) -> set[str]:
     return {k.decode() for k in r.scan_iter(match=pattern, count=1000)}
 
 
-def test_restart_with_a_changed_config_leaves_no_ghosts(tmp_path, capsys):
-    """The issue's scenario: two starts with different files on one data dir; the second removes a tenant and a
-    device, adds a tenant, and changes a tenant's model."""
-    data = tmp_path / "data"
-    c1 = _cluster(tmp_path, "c1.yaml", ["cpu0", "cpu1", "cpu2"])
-    t1 = _tenants(tmp_path, "t1.yaml", [("m", {"preset": "tiny-2l", "seed": 1}, "cpu0"),
-                                        ("m2", {"preset": "tiny-2l", "seed": 2}, "cpu1"),
-                                        ("old", {"preset": "tiny-2l", "seed": 3}, "cpu2")])
-    mesh = start_mesh(data, extra_args=["--cluster", c1, "--tenants", t1], env=EXPIRY)
-    try:
-        _first_requests_succeed(mesh, ["m", "m2", "old"])
-    finally:
-        assert stop_mesh(mesh) == 0
-    c2 = _cluster(tmp_path, "c2.yaml", ["cpu0", "cpu1"])
-    t2 = _tenants(tmp_path, "t2.yaml", [("m", {"preset": "tiny", "seed": 1}, "cpu0"),  # another model
-                                        ("nu", {"preset": "tiny", "seed": 4}, "cpu1")])
-    mesh = start_mesh(data, extra_args=["--cluster", c2, "--tenants", t2], env=EXPIRY)
-    try:
-        _first_requests_succeed(mesh, ["m", "nu"])
-        _only_configured(mesh, capsys, {"m": "cpu0", "nu": "cpu1"})
-        done = _reconciled(data)[-1]
-        assert (done["removed_tenants"], done["removed_devices"], done["changed_models"]) == ("m2,old", "cpu2", "m")
-        r, p = mesh.redis(), mesh.prefix
-        for t in ("m2", "old"):
-            assert not r.exists(f"{p}{{gmg}}:tenant:{t}", f"{p}{{gmg}}:model:{t}:graph", f"{p}sched:tenant:{t}")
-        assert not {f.decode() for f in r.hkeys(f"{p}sim:rates")} & {"m2", "old"}
-        deadline = time.monotonic() + 15  # cpu2's worker stream goes once its expiry passes
-        while _keys(r, f"{p}*cpu2*") and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not _keys(r, f"{p}*cpu2*")
-    finally:
-        assert stop_mesh(mesh) == 0
-
-
 def _sigkill_everything(mesh) -> None:
     """SIGKILL every process of the mesh at once: services, the private redis-server, then the launcher."""
     r = mesh.redis()
@@ -165,56 +132,91 @@ def _sigkill_everything(mesh) -> None:
         time.sleep(0.1)
 
 
-def test_restart_after_sigkill_of_the_whole_mesh(tmp_path, capsys):
+def _kill_under_load(mesh) -> tuple[set[str], set[str]]:
+    """Six long generations (three per tenant) decoding, then a SIGKILL of the whole mesh; returns the ids of the
+    gateways that died with it and the journeys (``req:`` keys) of the requests in flight."""
+    r = mesh.redis()
+    gateways = {k.decode().rsplit(":", 1)[-1] for k in r.scan_iter(match=f"{mesh.prefix}health:gateway:*")}
+    assert len(gateways) == 1
+
+    inflight: set[str] = set()
+
+    async def load() -> list[dict]:
+        outs = [{"tokens": 0, "cut": False} for _ in range(6)]
+        tasks = [asyncio.create_task(_stream(mesh.gateway, ("m", "nu")[i % 2], o)) for i, o in enumerate(outs)]
+        deadline = time.monotonic() + 60
+        while not all(o["tokens"] >= 2 for o in outs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert all(o["tokens"] >= 2 for o in outs), outs
+        inflight.update(k for k in _keys(r, f"{mesh.prefix}req:*") if r.hget(k, "state") not in (b"done",))
+        _sigkill_everything(mesh)
+        await asyncio.gather(*tasks)
+        return outs
+
+    assert all(o["cut"] for o in asyncio.run(load()))
+    assert len(inflight) == 6, inflight
+    return gateways, inflight
+
+
+def test_restarts_follow_the_config(tmp_path, capsys):
     data = tmp_path / "data"
-    t1 = _tenants(tmp_path, "t1.yaml", [("a", "tiny", "cpu0"), ("b", "tiny", "cpu1")])
-    mesh = start_mesh(data, extra_args=["--tenants", t1], env=EXPIRY)
+    # 1. the issue's scenario, first start: three tenants on three devices
+    c1 = _cluster(tmp_path, "c1.yaml", ["cpu0", "cpu1", "cpu2"])
+    t1 = _tenants(tmp_path, "t1.yaml", [("m", {"preset": "tiny-2l", "seed": 1}, "cpu0"),
+                                        ("m2", {"preset": "tiny-2l", "seed": 2}, "cpu1"),
+                                        ("old", {"preset": "tiny-2l", "seed": 3}, "cpu2")])
+    mesh = start_mesh(data, extra_args=["--cluster", c1, "--tenants", t1], env=EXPIRY)
     try:
-        r = mesh.redis()
-        old_gateways = {k.decode().rsplit(":", 1)[-1] for k in r.scan_iter(match=f"{mesh.prefix}health:gateway:*")}
-        assert len(old_gateways) == 1
+        _first_requests_succeed(mesh, ["m", "m2", "old"])
+    finally:
+        assert stop_mesh(mesh) == 0
 
-        async def load() -> list[dict]:
-            outs = [{"tokens": 0, "cut": False} for _ in range(6)]
-            tasks = [asyncio.create_task(_stream(mesh.gateway, "ab"[i % 2], o)) for i, o in enumerate(outs)]
-            deadline = time.monotonic() + 60
-            while not all(o["tokens"] >= 2 for o in outs) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert all(o["tokens"] >= 2 for o in outs), outs
-            _sigkill_everything(mesh)
-            await asyncio.gather(*tasks)
-            return outs
-
-        outs = asyncio.run(load())
-        assert all(o["cut"] for o in outs)
+    # 2. stopped, started again with another cluster and tenants file: a tenant and a device removed, a tenant
+    # added, a tenant's model changed; then killed (SIGKILL, every process) under load
+    c2 = _cluster(tmp_path, "c2.yaml", ["cpu0", "cpu1"])
+    t2 = _tenants(tmp_path, "t2.yaml", [("m", {"preset": "tiny", "seed": 1}, "cpu0"),  # another model
+                                        ("nu", {"preset": "tiny", "seed": 4}, "cpu1")])
+    mesh = start_mesh(data, extra_args=["--cluster", c2, "--tenants", t2], env=EXPIRY)
+    try:
+        _first_requests_succeed(mesh, ["m", "nu"])
+        _only_configured(mesh, capsys, {"m": "cpu0", "nu": "cpu1"})
+        done = _reconciled(data)[-1]
+        assert (done["removed_tenants"], done["removed_devices"], done["changed_models"]) == ("m2,old", "cpu2", "m")
+        r, p = mesh.redis(), mesh.prefix
+        for t in ("m2", "old"):
+            assert not r.exists(f"{p}{{gmg}}:tenant:{t}", f"{p}{{gmg}}:model:{t}:graph", f"{p}sched:tenant:{t}")
+        assert not {f.decode() for f in r.hkeys(f"{p}sim:rates")} & {"m2", "old"}
+        deadline = time.monotonic() + 15  # cpu2's worker stream goes once its expiry passes
+        while _keys(r, f"{p}*cpu2*") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _keys(r, f"{p}*cpu2*")
+        dead_gateways, killed = _kill_under_load(mesh)
     finally:
         if mesh.proc.poll() is None:
             stop_mesh(mesh)
-    t2 = _tenants(tmp_path, "t2.yaml", [("a", "tiny", "cpu0"), ("c", "tiny", "cpu1")])  # b removed, c added
-    mesh = start_mesh(data, extra_args=["--tenants", t2], env=EXPIRY)
+
+    # 3. after the SIGKILL, started with nu removed and c added
+    t3 = _tenants(tmp_path, "t3.yaml", [("m", {"preset": "tiny", "seed": 1}, "cpu0"), ("c", "tiny", "cpu1")])
+    mesh = start_mesh(data, extra_args=["--cluster", c2, "--tenants", t3], env=EXPIRY)
     try:
-        _first_requests_succeed(mesh, ["a", "c"])
+        _first_requests_succeed(mesh, ["m", "c"])
         r, p = mesh.redis(), mesh.prefix
-        old_reqs = [k for k in _keys(r, f"{p}req:*")]
         deadline = time.monotonic() + 30  # every request of the killed mesh ends (RELIABILITY.md: none hangs)
         while time.monotonic() < deadline:
-            states = {k: (r.hget(k, "state") or b"").decode() for k in old_reqs}
-            if all(s in TERMINAL_STATES for s in states.values()):
+            states = {k: (r.hget(k, "state") or b"").decode() for k in killed}
+            if all(st in TERMINAL_STATES for st in states.values()):
                 break
             time.sleep(0.5)
-        assert len(states) >= 6 and all(s in TERMINAL_STATES for s in states.values()), states
-        by_tenant: dict[str, set[str]] = {}
-        for k in old_reqs:
-            h = {a.decode(): v.decode() for a, v in r.hgetall(k).items()}
-            by_tenant.setdefault(h.get("tenant", "?"), set()).add(h["state"])
-        assert by_tenant["b"] <= {"failed", "rejected"}, by_tenant  # the removed tenant's requests end in errors
-        assert _reconciled(data)[-1]["removed_tenants"] == "b"
-        assert not _keys(r, f"{p}sched:assigned:*") or all(not r.scard(k) for k in _keys(r, f"{p}sched:assigned:*"))
-        _only_configured(mesh, capsys, {"a": "cpu0", "c": "cpu1"})
+        assert all(st in TERMINAL_STATES for st in states.values()), states
+        removed = {st for k, st in states.items() if r.hget(k, "tenant") == b"nu"}
+        assert removed and removed <= {"failed", "rejected"}, states  # the removed tenant's requests end in errors
+        assert _reconciled(data)[-1]["removed_tenants"] == "nu"
+        assert all(not r.scard(k) for k in _keys(r, f"{p}sched:assigned:*"))
+        _only_configured(mesh, capsys, {"m": "cpu0", "c": "cpu1"})
         deadline = time.monotonic() + 15  # the killed gateway's tokens stream expires (heartbeat-based)
         while time.monotonic() < deadline:
             streams = _keys(r, f"{p}tokens:*")
-            if not any(s.endswith(g) for s in streams for g in old_gateways):
+            if not any(st.endswith(g) for st in streams for g in dead_gateways):
                 break
             time.sleep(0.5)
         live = {k.decode().rsplit(":", 1)[-1] for k in r.scan_iter(match=f"{p}health:gateway:*")}

@@ -136,7 +136,8 @@ recovers as the fault matrix asks: requests still in the scheduler's pending lis
 placed on a worker that is gone end with a retryable 503 `worker_failed` (the worker id changed) and their KV is
 released; leases expire; the killed gateway's tokens stream expires. Tests: `tests/e2e/test_restart_reconcile.py`
 (a changed cluster and tenants file on one data dir; a SIGKILL of the whole mesh, then a changed tenants file),
-`tests/integration/test_gmg_reconcile.py`, `tests/unit/gmg/test_reconcile.py`."""
+`tests/integration/test_gmg_reconcile.py`, `tests/integration/test_scheduler_restart.py`,
+`tests/unit/gmg/test_reconcile.py`."""
 
 
 def _fmt(v) -> str:

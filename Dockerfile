@@ -27,6 +27,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
 COPY loadgen ./loadgen
+COPY bench ./bench
 RUN pip install . && rm -rf build *.egg-info
 
 COPY configs ./configs

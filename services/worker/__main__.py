@@ -33,7 +33,7 @@ def main() -> int:
             raise ConfigError(cluster.source, "devices", f"no device with id {args.device!r}") from None
         tenant = home_tenant_of(cluster, tenants, device.id)
         knobs = engine_knobs()
-        from services.worker.leases import LeaseOptions
+        from services.worker.lease_agent import LeaseOptions
         from services.worker.service import worker_env_threads
         lease_options = LeaseOptions.from_env()
         worker_env_threads(device)

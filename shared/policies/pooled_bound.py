@@ -36,7 +36,7 @@ class PooledBoundPolicy(Policy):
     simulation_only = True
 
     def initial_placement(self, snapshot: ClusterSnapshot, offered: dict[str, OfferedLoad]) -> Placement:
-        homes = container_placement(snapshot, offered, True)
+        homes = container_placement(snapshot, offered, False)
         return Placement({d: (t,) for t, ds in homes.items() for d in ds}, sharing="round_robin",
                          dynamic_engines=True, weights_free=True)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import main
-from services.results.checks import emulated_checks, real_checks, sim_checks, sim_summary_checks
-from services.results.render import BEGIN, END, fmt, load_results, replace_block
+from bench.results.checks import emulated_checks, real_checks, sim_checks, sim_summary_checks
+from bench.results.render import BEGIN, END, fmt, load_results, replace_block
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -82,7 +82,7 @@ def test_render_only_writes_pages_and_figures(out, tmp_path):
 def test_figures_are_small_pngs(out, tmp_path):
     import json
 
-    from services.results.plots import plot_sweep, plot_timeline
+    from bench.results.plots import plot_sweep, plot_timeline
     res = json.loads((out / "sim-azure-16mix-a1.3.json").read_text())
     p = plot_sweep(res, tmp_path / "s.png", "azure — simulated")
     t = plot_timeline(json.loads((out / "real-timeline.json").read_text()), tmp_path / "t.png", "tiny — real CPU mesh")
@@ -114,7 +114,7 @@ def test_bad_part_is_one_line_exit_2(capsys):
 def test_a_bound_that_is_no_upper_bound_is_called_out(out, tmp_path):
     import json
 
-    from services.results.render import results_markdown
+    from bench.results.render import results_markdown
     p = out / "sim-azure-16mix-a1.3.json"
     res = json.loads(p.read_text())
     res["policies"]["pooled-bound"]["tokens_per_s_9"] = 7000.0
@@ -134,7 +134,7 @@ def test_a_bound_that_is_no_upper_bound_is_called_out(out, tmp_path):
 
 
 def test_a_ratio_without_any_lease_is_flagged():
-    from services.results.render import lease_caveat
+    from bench.results.render import lease_caveat
     assert lease_caveat({"leases_per_point": [[1.0, 0, 0.0], [2.0, 0, 0.05], [4.0, 3, 0.4]]}) is not None
     assert lease_caveat({"leases_per_point": [[1.0, 0, 0.0], [2.0, 1, 0.05]]}) is None
     assert lease_caveat({"leases_per_point": [[4.0, 3, 0.4]]}) is None and lease_caveat(None) is None
@@ -150,7 +150,7 @@ def test_a_run_kept_outside_docs_results_leaves_the_readme_alone(out, tmp_path, 
 
 
 def test_a_confirmed_search_says_so_above_its_table():
-    from services.results.render import policy_table
+    from bench.results.render import policy_table
     r = {"max_scale_9": 4.0, "tokens_per_s_9": 180.0, "max_scale_1": 3.0, "tokens_per_s_1": 100.0,
          "violation_rate": 0.02}
     res = {"policies": {"container": r}, "ratio_to_container": {"container": {"9": 1.0, "1": 1.0}}}

@@ -148,12 +148,12 @@ def test_mesh_fidelity_searches_take_turns(monkeypatch):
     import argparse
     import time as _time
 
-    from services.cli import bench_compare
+    from bench import bench_compare
 
     order, running = [], []
     limit = {"container": 3.0, "slice": 9.0}  # slice needs more points: its boundary is further out
 
-    def point(args, policy, scale):
+    def point(args, policy, scale, **kw):
         running.append(policy)
         assert len(running) == 1, "two mesh points at once"
         _time.sleep(0.01 if policy == "container" else 0.002)  # different speeds must not break the alternation
@@ -179,11 +179,11 @@ def test_confirmed_search_replays_the_boundary_and_drops_a_lucky_pass(monkeypatc
     the bisection goes on below it; the reported throughput is the replays' mean."""
     import argparse
 
-    from services.cli import bench_compare
+    from bench import bench_compare
 
     calls: dict[float, int] = {}
 
-    def point(args, policy, scale):
+    def point(args, policy, scale, **kw):
         n = calls[scale] = calls.get(scale, 0) + 1
         lucky = 4.0 < scale <= 5.0 and n == 1  # passes the first time only
         ok = scale <= 4.0 or lucky
@@ -221,11 +221,11 @@ def test_an_interrupt_stops_every_search_and_its_subprocesses(monkeypatch):
     import signal
     import time as _time
 
-    from services.cli import bench_compare
+    from bench import bench_compare
 
     started = []
 
-    def point(args, policy, scale):  # a point that would take 30 s in a subprocess
+    def point(args, policy, scale, **kw):  # a point that would take 30 s in a subprocess
         started.append(policy)
         p = bench_compare.CHILDREN.run(["sleep", "30"], Path("."))
         return {"tokens_per_s": 1.0, "violation_rate": 0.0 if p.returncode == 0 else 1.0}
@@ -235,7 +235,7 @@ def test_an_interrupt_stops_every_search_and_its_subprocesses(monkeypatch):
 
     monkeypatch.setattr(bench_compare, "_runner", lambda fidelity: point)
     args = argparse.Namespace(fidelity="sim", start_scale=4.0, tolerance=0.05, max_scale=64.0, jobs=2,
-                              workload="w.yaml", cluster="c.yaml", seed=None, duration_s=None, containers=None)
+                              workload="w.yaml", cluster="c.yaml", seed=None, duration_s=None, containers="homes")
     old = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, 0.5)
     t0 = _time.monotonic()

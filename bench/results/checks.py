@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from services.cli.bench_compare import captured, ratios
+from bench.bench_compare import captured, ratios
 
 BASELINES = ("container-realloc", "muxserve", "token-pool")
 SIM_RATIO_MIN, SIM_RATIO_ONE, SIM_CAPTURED_MIN = 1.10, 2.3, 0.60

@@ -126,8 +126,8 @@ def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str
                  json_out: Path, cmd: str, quick: bool, hook: Any = None,
                  containers: str | None = None) -> dict[str, Any]:
     """One ``bench compare`` run, with its ``meta`` block, saved to ``json_out``."""
-    from services.cli.bench_compare import compare
-    from services.results.meta import compare_command, describe_setup, run_meta
+    from bench.bench_compare import compare
+    from bench.results.meta import compare_command, describe_setup, run_meta
     ns = _compare_ns(workload, cluster, fidelity, s, jobs, containers)
     if hook is not None:
         ns.mesh_hook = hook
@@ -146,7 +146,7 @@ def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str
 
 
 def _display(path: str) -> str:
-    from services.results.meta import display_path
+    from bench.results.meta import display_path
     return display_path(path)
 
 
@@ -160,7 +160,7 @@ def run_sim(args: argparse.Namespace, out: Path, cmd: str) -> None:
 def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> None:
     """container vs slice on one mesh (recording slice's busy-time timeline); for the emulated mesh also the
     simulator's prediction for the same workload and cluster, with the same search settings."""
-    from services.results.timeline import TimelineRecorder
+    from bench.results.timeline import TimelineRecorder
     wl, cluster = map(_in_repo, EMULATED if fidelity == "emulated" else REAL)
     s = search_for(args, "mesh")
     rec = TimelineRecorder(("slice",))
@@ -187,14 +187,14 @@ def _split(s: str) -> list[str]:
 
 def _in_repo(path: str) -> str:
     """A relative config path that is not found from here is taken from the repository root."""
-    from services.results.meta import REPO
+    from bench.results.meta import REPO
     p = Path(path)
     return str(REPO / p) if not p.is_absolute() and not p.exists() and (REPO / p).exists() else path
 
 
 def render(out: Path, md: Path, readme: Path | None, cmd: str | None) -> None:
     """Re-render docs/results.md and the README block from every JSON in ``out``."""
-    from services.results.render import (draw_figures, headline_markdown, load_results, results_markdown,
+    from bench.results.render import (draw_figures, headline_markdown, load_results, results_markdown,
                                          update_readme, write_results_md)
     results = load_results(out)
     for png in draw_figures(results, out):

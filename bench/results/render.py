@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from services.results.checks import bound_below, emulated_checks, real_checks, sim_checks, sim_summary_checks
+from bench.results.checks import bound_below, emulated_checks, real_checks, sim_checks, sim_summary_checks
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SIM_ORDER = ("azure-16mix-a0.7", "azure-16mix-a1.3", "azure-16mix-a2.1", "servegen-16mix")
@@ -238,7 +238,7 @@ def real_section(real: Mapping[str, Any] | None, tl: Mapping[str, Any] | None, o
 def draw_figures(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     """Every PNG from the raw results: a rate sweep per run, a busy-time timeline per recorded mesh run; one
     fidelity per figure, named in its title."""
-    from services.results.plots import plot_sweep, plot_timeline
+    from bench.results.plots import plot_sweep, plot_timeline
 
     def stem(r: Mapping[str, Any]) -> str:
         return Path(str(r.get("meta", {}).get("workload") or r.get("workload") or "workload")).stem

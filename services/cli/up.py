@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.cli.preflight import add_config_args, check_mesh
+from services.cli.check_config import add_config_args, check_mesh
 from shared.config import dev_api_keys, env_number
 
 

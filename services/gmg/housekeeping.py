@@ -14,7 +14,7 @@ import time
 import structlog
 
 from shared.config import ClusterConfig, TenantsConfig
-from shared.gmg.leases import LeaseStore
+from shared.gmg.lease_store import LeaseStore
 from shared.gmg.store import GMGStore
 from shared.messages import sim_corrections_key, sim_forecast_key, sim_rates_key
 from shared.requests_state import req_key, tenant_stats_key

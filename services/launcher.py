@@ -1,6 +1,7 @@
 """Process launcher behind ``slicesched up``: a private Redis (or a private Redis Cluster, or ``REDIS_URL``), then
-every service as its own process; waits until all report healthy; restarts a crashed service with backoff; stops everything on
-Ctrl-C/SIGTERM (services drain first, Redis last). Children get SIGTERM if the launcher itself dies."""
+every service as its own process; waits until all report healthy and the gateway's ``/ready`` says it can serve
+every tenant; restarts a crashed service with backoff; stops everything on Ctrl-C/SIGTERM (services drain first,
+Redis last). Children get SIGTERM if the launcher itself dies."""
 from __future__ import annotations
 
 import ctypes
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,25 +173,38 @@ class Launcher:
                     return
                 time.sleep(0.2)
             names = ", ".join(c.name for c in self.children if not self._healthy(r, c))
-            raise RuntimeError(f"services not healthy after {timeout_s:.0f} s: {names}")
+            why = f"; gateway /ready: {self._ready_body()}" if "gateway" in names else ""
+            raise RuntimeError(f"services not healthy after {timeout_s:.0f} s: {names}{why}")
         finally:
             r.close()
 
     def _healthy(self, r: syncredis.Redis, c: Child) -> bool:
-        if c.service == "gateway":
+        if c.service == "gateway":  # ready = a live worker for every tenant (the first request can succeed)
             try:
-                with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=1) as resp:
+                with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=1) as resp:
                     return resp.status == 200
             except OSError:
                 return False
         names = [c.name] if c.name != "emulated" else [d.id for d in self.cluster.devices if d.backend == "emulated"]
         for n in names:
             try:
-                if r.hget(health_key(self.prefix, c.service, n), "ready") != b"1":
-                    return False
+                ready, pid = r.hmget(health_key(self.prefix, c.service, n), "ready", "pid")
             except (syncredis.RedisError, RedisClusterException):
                 return False
+            # the key must be this child's: one left by a killed earlier run lives on for its TTL
+            if ready != b"1" or c.proc is None or pid != str(c.proc.pid).encode():
+                return False
         return True
+
+    def _ready_body(self) -> str:
+        """The gateway's ``/ready`` answer (which tenants cannot be served, and why), for error messages."""
+        try:
+            with urllib.request.urlopen(f"{self.gateway_url}/ready", timeout=2) as resp:
+                return resp.read(2000).decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.read(2000).decode(errors="replace")
+        except OSError as e:
+            return f"unreachable ({e})"
 
     def supervise_once(self) -> None:
         """Restart services that died (at most 5 times a minute each)."""

@@ -383,6 +383,15 @@ def load_tenants(path: str | Path, cluster: ClusterConfig | None = None) -> Tena
     return parse_tenants(_load_yaml(path), path, cluster)
 
 
+def home_tenant_of(cluster: ClusterConfig, tenants: TenantsConfig, device_id: str) -> TenantConfig:
+    """The one tenant at home on ``device_id``; a mesh worker serves exactly one (``ConfigError`` otherwise)."""
+    homes = [t for t in tenants.tenants if device_id in t.home_devices]
+    if len(homes) != 1:
+        raise ConfigError(tenants.source, "home_devices",
+                          f"device {device_id!r} must be home to exactly one tenant, found {len(homes)}")
+    return homes[0]
+
+
 def dev_api_keys(path: str | Path) -> dict[str, list[str]]:
     """Plain-text dev keys per tenant as written in a tenants file (for the launcher's banner)."""
     data = _load_yaml(path)

@@ -1,5 +1,5 @@
 """The shell every service shares: stop flag on SIGTERM/SIGINT, a health key with TTL in Redis, and a small
-aiohttp server for ``GET /health`` and ``GET /metrics`` (Prometheus text).
+aiohttp server for ``GET /health`` (liveness), ``GET /ready`` (readiness) and ``GET /metrics`` (Prometheus text).
 
 The decisions live in each service's ``core.py``; this module only does I/O plumbing.
 """
@@ -80,14 +80,23 @@ class ServiceShell:
                 "redis": self.redis_ok}
 
     async def _h_health(self, request: web.Request) -> web.Response:
+        """Liveness: the service runs and reaches Redis."""
         h = self.health()
         return web.json_response(h, status=200 if h["status"] == "ok" else 503)
+
+    async def _h_ready(self, request: web.Request) -> web.Response:
+        """Readiness: started (state restored, registered), reaches Redis and is not stopping. The gateway serves
+        its own ``/ready`` (a live worker for each of its tenants)."""
+        h = self.health()
+        ok = h["status"] == "ok" and not self.stop.is_set()
+        return web.json_response({**h, "status": "ready" if ok else "not_ready"}, status=200 if ok else 503)
 
     async def _h_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self._h_health)
+        app.router.add_get("/ready", self._h_ready)
         app.router.add_get("/metrics", self._h_metrics)
 
     async def serve_http(self, host: str, port: int) -> int:

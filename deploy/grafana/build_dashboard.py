@@ -50,6 +50,7 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("slicesched_gmg_epoch", "gauge", set()),
         ("slicesched_gmg_devices_down", "gauge", set()),
         ("slicesched_gmg_events_total", "counter", {"type", "result"}),
+        ("slicesched_gmg_streams_expired_total", "counter", set()),
         ("slicesched_stream_lag", "gauge", {"stream", "group"}),
         ("slicesched_stream_pending", "gauge", {"stream", "group"}),
     ]
@@ -130,7 +131,9 @@ def panels() -> list[list[tuple]]:
          [(f"sum by (device) (rate(slicesched_worker_fenced_results_total[{RI}]))", "{{device}}")], "ops",
          "Terminal results a worker did not publish because the request had already ended elsewhere.", False),
         ("GMG events applied", [(f"sum by (type, result) (rate(slicesched_gmg_events_total[{RI}]))",
-                                 "{{type}} {{result}}")], "ops", "", False),
+                                 "{{type}} {{result}}"),
+                                (f"sum (rate(slicesched_gmg_streams_expired_total[{RI}]))",
+                                 "streams expired (dead gateways, removed devices)")], "ops", "", False),
         ("Stream lag", [("sum by (stream, group) (slicesched_stream_lag)", "{{stream}} / {{group}}")], "short",
          "Entries not yet delivered to the consumer group.", False),
         ("Stream pending", [("sum by (stream, group) (slicesched_stream_pending)", "{{stream}} / {{group}}")],

@@ -17,7 +17,7 @@ from shared.config import ConfigError
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.cli.up", "start Redis (embedded default) and every service; Ctrl-C stops all"),
-    "check-config": ("services.cli.check_config", "validate cluster.yaml and tenants.yaml"),
+    "check-config": ("services.cli.check_config", "validate the configs and settings as `up` does, start nothing"),
     "simulate": ("services.cli.simulate", "replay a workload on a modelled cluster with one policy (offline)"),
     "plan": ("services.cli.plan", "plan each tenant's containers for a workload under the SLA (simulated)"),
     "profile": ("services.cli.profile", "micro-benchmark the real operators on a local device, write a profile"),

@@ -114,6 +114,13 @@ SCHEMAS: dict[str, Any] = {
                "properties": {"status": {"type": "string", "enum": ["ok", "starting", "degraded", "draining"]},
                               "service": {"type": "string"}, "name": {"type": "string"},
                               "uptime_s": {"type": "number"}, "redis": {"type": "boolean"}}},
+    "Readiness": {"type": "object", "required": ["status", "not_ready", "tenants"],
+                  "properties": {"status": {"type": "string", "enum": ["ready", "not_ready"]},
+                                 "gateway": {"type": "string"},
+                                 "not_ready": {"type": "array", "items": {"type": "string"}},
+                                 "tenants": {"type": "object", "additionalProperties": {
+                                     "type": "object", "required": ["ready", "reason"],
+                                     "properties": {"ready": {"type": "boolean"}, "reason": {"type": "string"}}}}}},
 }
 
 
@@ -165,10 +172,15 @@ def openapi_document() -> dict[str, Any]:
             "/v1/models": {"get": {"summary": "The caller's tenant's model", "security": [{"bearerAuth": []}],
                                    "responses": {"200": {"description": "models", "content": _json("ModelList")},
                                                  "401": _GEN_ERRORS["401"]}}},
-            "/health": {"get": {"summary": "Liveness and readiness", "security": [],
-                                "responses": {"200": {"description": "ready", "content": _json("Health")},
-                                              "503": {"description": "not ready (starting, Redis down, draining)",
+            "/health": {"get": {"summary": "Liveness", "security": [],
+                                "responses": {"200": {"description": "alive", "content": _json("Health")},
+                                              "503": {"description": "starting, Redis down, or draining",
                                                       "content": _json("Health")}}}},
+            "/ready": {"get": {"summary": "Readiness: a live worker for every tenant", "security": [],
+                               "responses": {"200": {"description": "every tenant can be served",
+                                                     "content": _json("Readiness")},
+                                             "503": {"description": "some tenants cannot be served (named, with why)",
+                                                     "content": _json("Readiness")}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
                                  "responses": {"200": {"description": "Prometheus text format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

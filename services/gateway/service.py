@@ -28,6 +28,7 @@ from shared.config import Settings, TenantConfig, TenantsConfig
 from shared.messages import CancelRequest, InferenceRequest, requests_stream, tokens_stream
 from shared.model.tokenizer import load_tokenizer
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client, disconnect_now
+from shared.requests_state import tenant_stats_key
 from shared.service import ServiceShell, instance_id
 from shared.streams import StreamProducer
 
@@ -36,6 +37,7 @@ log = structlog.get_logger()
 REDIS_RETRY_AFTER_S = 2
 INLINE_TOKENIZE_CHARS = 32 * 1024
 REDIS_FAST_FAIL_S = 1.0  # after a failed XADD, answer 503 at once for this long instead of waiting on Redis again
+READY_STATS_MAX_AGE_S = 3.0  # the scheduler reports every 0.5 s; older means it is not running
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 400: "invalid_request",
                415: "unsupported_media_type", 411: "length_required", 408: "request_timeout"}
 
@@ -82,6 +84,7 @@ class GatewayService:
         app.router.add_post("/v1/chat/completions", self._h_chat)
         app.router.add_get("/v1/models", self._h_models)
         app.router.add_get("/health", self._h_health)
+        app.router.add_get("/ready", self._h_ready)
         app.router.add_get("/metrics", self._h_metrics)
         app.router.add_get("/openapi.json", self._h_openapi)
         return app
@@ -182,6 +185,34 @@ class GatewayService:
         if self.draining:
             h["status"] = "draining"
         return web.json_response(h, status=200 if h["status"] == "ok" else 503)
+
+    async def _h_ready(self, request: web.Request) -> web.Response:
+        body = await self.readiness()
+        return web.json_response(body, status=200 if body["status"] == "ready" else 503)
+
+    async def readiness(self) -> dict:
+        """Whether this gateway can serve each of its tenants now: it runs and reaches Redis, and the scheduler
+        reported within ``READY_STATS_MAX_AGE_S`` a live worker on one of the tenant's home devices. The body names
+        the tenants that cannot be served, and why."""
+        h = self.shell.health()
+        names = self.tenants.names()
+        own = "the gateway is draining" if self.draining else "" if h["status"] == "ok" else \
+            "the gateway is starting" if not self.shell.ready else "the gateway cannot reach Redis"
+        reasons = dict.fromkeys(names, own)
+        if not own:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for t in names:
+                    pipe.hmget(tenant_stats_key(self.settings.prefix, t), "ts", "homes_up")
+                rows = await asyncio.wait_for(pipe.execute(), timeout=self.limits.redis_op_timeout_s)
+                now = time.time()
+                for t, (ts, up) in zip(names, rows):
+                    reasons[t] = tenant_unready_reason(self.tenants.get(t), ts, up, now)
+            except (asyncio.TimeoutError, *REDIS_ERRORS):
+                reasons = dict.fromkeys(names, "the gateway cannot reach Redis")
+        not_ready = [t for t in names if reasons[t]]
+        return {"status": "not_ready" if not_ready else "ready", "gateway": self.gateway_id,
+                "not_ready": not_ready, "tenants": {t: {"ready": not reasons[t], "reason": reasons[t]} for t in names}}
 
     async def _h_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.shell.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -318,3 +349,16 @@ class GatewayService:
         task = asyncio.get_running_loop().create_task(send())
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
+
+
+def tenant_unready_reason(tenant: TenantConfig, ts, homes_up, now: float) -> str:
+    """Why ``tenant`` cannot be served, from the scheduler's ``sched:tenant:{name}`` fields (raw HMGET values);
+    empty when it can."""
+    if ts is None:
+        return "the scheduler has not reported on this tenant (not started yet, or not configured with it)"
+    age = now - float(ts)
+    if age > READY_STATS_MAX_AGE_S:
+        return f"the scheduler's last report is {age:.1f} s old (is the scheduler running?)"
+    if homes_up is not None and int(homes_up) < 1:
+        return f"no live worker on its home devices ({', '.join(tenant.home_devices)})"
+    return ""

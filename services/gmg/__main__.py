@@ -17,13 +17,20 @@ def main() -> int:
     args = ap.parse_args()
     try:
         settings, cluster, tenants = load_runtime()
+        from services.gmg.reconcile import ReconcileOptions, ReconcileRefused
+
+        options = ReconcileOptions.from_env()
     except ConfigError as e:
         print(f"gmg: config error: {e}", file=sys.stderr)
         return 2
     setup_logging("gmg", settings.log_format, settings.log_level)
     from services.gmg.service import GMGService
 
-    asyncio.run(GMGService(settings, cluster, tenants, args.name).run())
+    try:
+        asyncio.run(GMGService(settings, cluster, tenants, args.name, options=options).run())
+    except ReconcileRefused as e:
+        print("gmg: refusing to start: " + "; ".join(e.conflicts), file=sys.stderr)
+        return 2
     return 0
 
 

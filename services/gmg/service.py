@@ -1,5 +1,6 @@
-"""GMG state service shell: registers the cluster, consumes the events stream (group ``gmg``), applies each event
-to the GMG atomically (epoch bump + change entry), and sweeps devices with stale heartbeats and expired leases."""
+"""GMG state service shell: reconciles Redis with the config and registers the cluster, consumes the events
+stream (group ``gmg``), applies each event to the GMG atomically (epoch bump + change entry), sweeps devices with
+stale heartbeats and expired leases, and expires the streams of dead gateways and removed devices."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,8 @@ from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, comm
 from shared.service import ServiceShell, run_tasks
 from shared.streams import ACK, Delivery, StreamConsumer
 from services.gmg.core import GMGCore
+from services.gmg.housekeeping import Housekeeper
+from services.gmg.reconcile import ReconcileOptions
 
 log = structlog.get_logger()
 
@@ -26,7 +29,7 @@ class GMGService:
     """The only writer of GMG structure and live device state."""
 
     def __init__(self, settings: Settings, cluster: ClusterConfig, tenants: TenantsConfig, name: str = "gmg",
-                 *, sweep_interval_s: float = SWEEP_INTERVAL_S) -> None:
+                 *, sweep_interval_s: float = SWEEP_INTERVAL_S, options: ReconcileOptions | None = None) -> None:
         self.s, self.cluster, self.tenants, self.name = settings, cluster, tenants, name
         self.p = settings.prefix
         self.redis = command_client(settings.redis_url, name=f"{name}-cmd")
@@ -34,6 +37,7 @@ class GMGService:
         self.store = GMGStore(self.redis, self.p)
         self.core = GMGCore(self.store.keys, [d.id for d in cluster.devices])
         self.shell = ServiceShell("gmg", name, prefix=self.p, redis=self.redis)
+        self.housekeeper = Housekeeper(self.store, self.p, cluster, tenants, options)
         self.sweep_interval_s = sweep_interval_s
         self.consumer = StreamConsumer(cmd=self.redis, blocking=self.blocking, stream=events_stream(self.p),
                                        group=GROUP_GMG, consumer=name, types=EventsMsg, handler=self._on_event,
@@ -44,13 +48,17 @@ class GMGService:
         self.m_epoch = Gauge("slicesched_gmg_epoch", "Current GMG epoch", registry=reg)
         self.m_down = Gauge("slicesched_gmg_devices_down", "Devices marked down", registry=reg)
         self.m_leases = Counter("slicesched_gmg_leases_expired_total", "Leases expired by the sweep", registry=reg)
+        self.m_expired = Counter("slicesched_gmg_streams_expired_total", "Streams deleted by expiry", registry=reg)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Register the cluster and restore the core's state; retries until Redis answers."""
+        """Reconcile Redis with the config, register the cluster and restore the core's state; retries until Redis
+        answers. Raises :class:`~services.gmg.reconcile.ReconcileRefused` while old-config workers still run."""
         delay = 0.1
         while not self.shell.stop.is_set():
             try:
+                if await self.housekeeper.reconcile(self.shell.stop) is None:
+                    return  # stopped while waiting for an old-config worker
                 epoch = await self.store.register_cluster(self.cluster, self.tenants)
                 await self._restore()
                 self.m_epoch.set(epoch)
@@ -87,10 +95,12 @@ class GMGService:
         hb = asyncio.ensure_future(self.shell.heartbeat_loop())
         try:
             await self.start()
+            if self.shell.stop.is_set():
+                return
             self.shell.ready = True
             log.info("gmg_ready", name=self.name)
             await run_tasks(self.shell, self.consumer.run(self.shell.stop), self.consumer.reclaim_loop(self.shell.stop),
-                            self._sweep_loop())
+                            self._sweep_loop(), self._expiry_loop())
         finally:
             self.shell.stop.set()
             await asyncio.gather(hb, return_exceptions=True)
@@ -145,6 +155,20 @@ class GMGService:
                 await asyncio.wait_for(self.shell.stop.wait(), timeout=self.sweep_interval_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def _expiry_loop(self) -> None:
+        """Delete the streams of dead gateways, removed devices and idle what-if clients (heartbeat-based)."""
+        every = self.housekeeper.options.expiry_check_s
+        while not self.shell.stop.is_set():
+            try:
+                await asyncio.wait_for(self.shell.stop.wait(), timeout=every)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                self.m_expired.inc(len(await self.housekeeper.expire_streams()))
+            except REDIS_ERRORS as e:
+                log.warning("gmg_expiry_error", error=repr(e))
 
 
 def _s(v) -> str:

@@ -111,19 +111,49 @@ class SchedulerService:
                 await asyncio.sleep(0.2)
 
     async def _restore(self) -> None:
-        """After a restart: rebuild the assigned map from Redis (queued requests come back from our PEL)."""
-        for d in self.cluster.devices:
-            for rid in await self.redis.smembers(assigned_key(self.p, d.id)):
+        """After a restart: rebuild the assigned map from Redis (queued requests come back from our PEL). Requests
+        placed on a device or for a tenant the config no longer has end with a clear error to their gateway."""
+        configured = [d.id for d in self.cluster.devices]
+        head = assigned_key(self.p, "")
+        removed = sorted({k.decode()[len(head):] async for k in self.redis.scan_iter(match=_glob(head) + "*", count=1000)}
+                         - set(configured))
+        ended = 0
+        for did in configured + removed:
+            for rid in await self.redis.smembers(assigned_key(self.p, did)):
                 rid = rid.decode()
                 h = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(req_key(self.p, rid))).items()}
                 if not h or h.get("state") in TERMINAL_STATES:
-                    await self.redis.srem(assigned_key(self.p, d.id), rid)
+                    await self.redis.srem(assigned_key(self.p, did), rid)
                     continue
                 req = InferenceRequest(msg_id="restored", request_id=rid, tenant=h.get("tenant", ""),
                                        gateway=h.get("gateway", ""), prompt_ids=[], max_tokens=0)
-                self.assigned[rid] = (d.id, req, h.get("worker_id", ""))
-        if self.assigned:
-            log.info("scheduler_restored", assigned=len(self.assigned))
+                if did in removed:
+                    await self._end_unconfigured(req, did, 503, "device_removed", f"device {did!r} is no longer in "
+                                                 "the cluster config; retry the request", retryable=True)
+                elif req.tenant not in self.core.queues.bounds:
+                    await self._end_unconfigured(req, did, 404, "tenant_removed",
+                                                 f"tenant {req.tenant!r} is no longer configured", retryable=False)
+                else:
+                    self.assigned[rid] = (did, req, h.get("worker_id", ""))
+                    continue
+                ended += 1
+            if did in removed:
+                await self.redis.delete(assigned_key(self.p, did))
+        if self.assigned or ended:
+            log.info("scheduler_restored", assigned=len(self.assigned), ended_unconfigured=ended,
+                     removed_devices=",".join(removed))
+
+    async def _end_unconfigured(self, req: InferenceRequest, device: str, status: int, code: str, message: str, *,
+                                retryable: bool) -> None:
+        """End an assigned request of a tenant or device the config no longer has (at start-up)."""
+        log.warning("request_failed_unconfigured", tenant=req.tenant, request_id=req.request_id, device=device,
+                    code=code)
+        if any(d.id == device for d in self.cluster.devices):  # a removed device's stream expires unread
+            await self.producer.add(worker_stream(self.p, device), CancelAssigned(
+                msg_id=uuid.uuid4().hex, request_id=req.request_id, tenant=req.tenant, reason=code))
+        await self._fail(req, status, code, message, retryable=retryable)
+        await self.gmg.release(device, f"kv:{req.request_id}")
+        await self.redis.srem(assigned_key(self.p, device), req.request_id)
 
     # ------------------------------------------------------------ requests stream
     async def _on_request(self, d: Delivery) -> str:
@@ -369,7 +399,8 @@ class SchedulerService:
             v.up, v.limit, v.reserved = up, int(h.get("limit") or 0), int(h.get("reserved") or 0)
             v.heartbeat_ts, v.assigned = hb, assigned
             wid = h.get("worker_id", "")
-            if wid:
+            # the GMG's row may lag a heartbeat read directly (a new worker after a restart): keep the newer id
+            if wid and float(h.get("heartbeat_ts") or 0) >= self._hb_seen.get(did, 0.0):
                 v.worker_id = wid
 
     async def _fail_dead_devices(self) -> None:
@@ -441,8 +472,10 @@ class SchedulerService:
         pipe = self.redis.pipeline(transaction=False)
         for t in self.tenants.tenants:
             running = sum(1 for a in self.assigned.values() if a[1].tenant == t.name)
+            up = sum(1 for d in t.home_devices if d in self.devices and self.devices[d].up)
             pipe.hset(tenant_stats_key(self.p, t.name), mapping={
-                "queued": self.core.queues.depth(t.name), "running": running, "ts": time.time()})
+                "queued": self.core.queues.depth(t.name), "running": running, "ts": time.time(),
+                "homes_up": up, "homes": len(t.home_devices)})
         await pipe.execute()
 
     # ------------------------------------------------------------ helpers
@@ -473,6 +506,11 @@ class SchedulerService:
                 msg_id=uuid.uuid4().hex, request_id=rid, tenant=tenant, status=500, code="internal_error",
                 message="the request could not be processed", retryable=False), maxlen=TOKENS_MAXLEN,
                 durable=True)
+
+
+def _glob(text: str) -> str:
+    """``text`` with the characters special in a Redis MATCH pattern escaped."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def loose_decode(raw: bytes | None) -> dict:

@@ -6,7 +6,7 @@ import asyncio
 import os
 import sys
 
-from shared.config import ConfigError, Settings, env_number, load_cluster, load_tenants
+from shared.config import ConfigError, Settings, env_number, home_tenant_of, load_cluster, load_tenants
 from shared.logging import setup_logging
 
 
@@ -31,10 +31,7 @@ def main() -> int:
             device = cluster.device(args.device)
         except KeyError:
             raise ConfigError(cluster.source, "devices", f"no device with id {args.device!r}") from None
-        homes = [t for t in tenants.tenants if device.id in t.home_devices]
-        if len(homes) != 1:
-            raise ConfigError(tenants.source, "home_devices",
-                              f"device {device.id!r} must be home to exactly one tenant, found {len(homes)}")
+        tenant = home_tenant_of(cluster, tenants, device.id)
         knobs = engine_knobs()
         from services.worker.lease_agent import LeaseOptions
         from services.worker.service import worker_env_threads
@@ -59,7 +56,6 @@ def main() -> int:
         print(f"worker: device {device.id}: backend {device.backend!r} is served by the emulated worker",
               file=sys.stderr)
         return 2
-    tenant = homes[0]
     model, tokenizer = build_model(tenant.model, torch_device)
     cfg = tenant.model.config
     bpb = cfg.kv_bytes_per_token() * 16

@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-from shared.config import ConfigError, Settings, env_number, load_cluster, load_tenants
+from shared.config import ConfigError, Settings, env_number, home_tenant_of, load_cluster, load_tenants
 from shared.costmodel import cost_for
 from shared.logging import setup_logging
 from shared.model.config import ModelConfig
@@ -108,6 +108,11 @@ class EmulatedEngine(Engine):
         return StepResult(events, {"iteration": ms}, len(plan), pre, dec, ms)
 
 
+def emulated_time_scale(env=None) -> float:
+    """``SLICESCHED_EMULATED_TIME_SCALE``: multiplies every emulated iteration time (> 0)."""
+    return env_number("SLICESCHED_EMULATED_TIME_SCALE", 1.0, above=0, env=env)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m services.worker.emulated")
     ap.add_argument("--devices", default=os.environ.get("SLICESCHED_DEVICES", ""), help="comma-separated device ids")
@@ -127,12 +132,8 @@ def main() -> int:
                 raise ConfigError(cluster.source, "devices", f"no device with id {did!r}") from None
             if dev.backend != "emulated":
                 raise ConfigError(cluster.source, f"devices[{did}].backend", "must be 'emulated' for this worker")
-            homes = [t for t in tenants.tenants if did in t.home_devices]
-            if len(homes) != 1:
-                raise ConfigError(tenants.source, "home_devices",
-                                  f"device {did!r} must be home to exactly one tenant, found {len(homes)}")
-            plan.append((dev, homes[0]))
-        scale = env_number("SLICESCHED_EMULATED_TIME_SCALE", 1.0, above=0)
+            plan.append((dev, home_tenant_of(cluster, tenants, did)))
+        scale = emulated_time_scale()
     except ConfigError as e:
         print(f"worker: config error: {e}", file=sys.stderr)
         return 2

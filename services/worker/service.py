@@ -42,6 +42,7 @@ class WorkerService:
         self.s, self.cluster, self.device, self.tenant, self.engine = settings, cluster, device, tenant, engine
         self.lanes = lanes  # GuestLanes for "sequences" leases (services/worker/lanes.py), or None
         self.engine_of: dict[str, Engine] = {}  # request id -> the engine running it (home or a guest lane)
+        self.configured = {t.name for t in tenants.tenants} if tenants is not None else {tenant.name}
         self.p = settings.prefix
         self.worker_id = instance_id(f"worker-{device.id}")
         self.redis = command_client(settings.redis_url, name=f"worker-{device.id}")
@@ -135,13 +136,24 @@ class WorkerService:
             return eng.step()
 
     def _health_extra(self) -> dict:
-        return self.lease_agent.health_fields() if self.lease_agent is not None else {}
+        # ``tenant``: the GMG's start-up reconciliation refuses to remove the state of a tenant a live worker serves
+        extra = {"tenant": self.tenant.name}
+        if self.lease_agent is not None:
+            extra.update(self.lease_agent.health_fields())
+        return extra
 
     async def _reserve_weights(self) -> None:
         while not self.shell.stop.is_set():
             try:
-                res = await self.gmg.reserve([Reservation(self.device.id, f"weights:{self.tenant.name}:home",
-                                                          "weights", self.tenant.name, self.engine.weight_bytes)])
+                owner = f"weights:{self.tenant.name}:home"
+                res = await self.gmg.reserve([Reservation(self.device.id, owner, "weights", self.tenant.name,
+                                                          self.engine.weight_bytes)])
+                if isinstance(res, Refused) and res.reason == "duplicate":
+                    # kept from an earlier run: a changed model (same tenant name) holds another size
+                    held = (await self.gmg.reservations(self.device.id)).get(owner)
+                    if held is not None and held.nbytes != self.engine.weight_bytes:
+                        log.info("weights_reservation_resized", was=held.nbytes, now=self.engine.weight_bytes)
+                        res = await self.gmg.resize(self.device.id, owner, self.engine.weight_bytes)
                 if isinstance(res, Refused) and res.reason not in ("duplicate",):
                     log.error("weights_reservation_refused", reason=res.reason, detail=res.detail)
                 return
@@ -166,6 +178,11 @@ class WorkerService:
             state = await self.redis.hget(req_key(self.p, rid), "state")
             if state is not None and state.decode() in TERMINAL_STATES:
                 return ACK  # failed/cancelled while we were away: fenced
+            if msg.request.tenant not in self.configured:  # assigned before a restart that removed the tenant
+                self.tracker.add(msg.request, d.entry_id, msg.kv_blocks)
+                await self._end(rid, "failed", error=(404, "tenant_removed",
+                                                      f"tenant {msg.request.tenant!r} is no longer configured"))
+                return DEFER
             if msg.request.tenant != self.tenant.name:
                 lane = self.lanes.engine_for(msg.request.tenant) if self.lanes is not None else None
                 if lane is None:  # placed here without an accepting guest lane: a clean, retryable refusal

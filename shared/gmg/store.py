@@ -10,13 +10,14 @@ rebuild the GMG from a snapshot plus the stream. Leases and weight staging live 
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from dataclasses import dataclass
 
 import msgspec
 import redis.asyncio as aioredis
 
-from shared.config import ClusterConfig, TenantsConfig
+from shared.config import ClusterConfig, ModelSpec, TenantsConfig
 from shared.gmg.keys import GMGKeys
 from shared.gmg.mutations import APPLY_SCRIPT, MutationBatch
 from shared.redis_util import LuaScript, run_pipeline
@@ -140,7 +141,7 @@ class GMGStore:
                 "name": t.name, "model": t.model.preset or t.model.checkpoint or "config",
                 "sla_ttft_ms": t.sla.ttft_ms, "sla_tpot_ms": t.sla.tpot_ms, "home_devices": ",".join(t.home_devices),
                 "max_queue": t.max_queue, "weight_bytes": t.model.config.weight_bytes(),
-                "kv_bytes_per_token": t.model.config.kv_bytes_per_token()})
+                "kv_bytes_per_token": t.model.config.kv_bytes_per_token(), "model_id": model_id(t.model)})
             b.add("sadd", self.keys.tenants, t.name)
             blob, seg_bytes = _graph(t.model.config)
             b.setblob(self.keys.model_graph(t.name), blob)
@@ -188,6 +189,17 @@ class GMGStore:
 
     async def epoch(self) -> int:
         return int(await self.redis.get(self.keys.epoch) or 0)
+
+
+def model_id(spec: ModelSpec) -> str:
+    """A fingerprint of a tenant's model (source, seed and shape): a restart that changes it makes the weights
+    staged for the tenant elsewhere stale (``services/gmg/reconcile.py``)."""
+    return hashlib.sha256(repr((spec.preset, spec.checkpoint, spec.seed, spec.config)).encode()).hexdigest()[:16]
+
+
+def segment_bytes(cfg: ModelConfig) -> dict[str, int]:
+    """Weight bytes of each segment of a model (what a home holds resident, segment by segment)."""
+    return dict(_graph(cfg)[1])
 
 
 @functools.lru_cache(maxsize=64)

@@ -144,6 +144,50 @@ FINDINGS = """## What the rows found, and what changed
   streams have a fixed owner, so row 3 checks the 3 s heartbeat failure detector instead."""
 
 
+RESTARTS = """## Restarts and config changes
+
+Services read the cluster and tenants files at start: a changed file takes effect when the services restart
+(`slicesched up` again, or a rollout). At every start the GMG service (`services/gmg/reconcile.py` decides,
+`services/gmg/housekeeping.py` does the I/O) compares what Redis holds under the prefix with the files and removes
+what no longer belongs to them, before it registers the cluster; leases are closed through their atomic close, the
+rest of the GMG in one atomic `reconcile` change (epoch bump and change-stream entry, so followers replay it). The
+`gmg_reconciled` log line names the removed tenants and devices and counts the rest.
+
+| state | kept | dropped |
+|---|---|---|
+| devices: `{gmg}:device:{id}` and every per-device GMG key (reservations, residency, pins, leases, execution, running and finished records, busy intervals) | configured devices (registry refreshed, live fields kept) | devices not in the cluster file |
+| tenants: `{gmg}:tenant:{name}`, model graph | configured tenants | tenants not in the tenants file |
+| home weights `weights:{t}:home` | on a home device of `t` (its worker resizes it when `t`'s model changed) | anywhere else; `t` removed |
+| staged weights `weights:{t}:{segment}` and their residency | `t` configured with the same model (`model_id` in the tenant hash), the segment in the model with the same size, the device not `t`'s home | otherwise |
+| residency `{t}\\|{segment}` | on `t`'s homes (rewritten for the current model), or staged and kept | otherwise, with its pins |
+| leases | tenant, guest and home configured, the guest not the tenant's home, model unchanged, segments in the model | closed (`lease_revoked`: reservation freed, pins released) |
+| KV `kv:{request}`, running records `{gmg}:reqs:{d}` | the request has not ended | the request ended, its journey is gone, or its tenant was removed |
+| `sched:tenant:{t}`, `sim:rates` fields | configured tenants | removed tenants |
+| `sim:forecast:{d}`, `sim:corrections` fields | configured devices | removed devices |
+| request journeys `req:{id}` | all, until their TTL (1 h once ended) | - |
+| streams | `requests`, `events`, `dead`, configured devices' worker streams, live gateways' tokens streams | tokens streams of dead gateways, worker streams of removed devices, idle what-if reply streams, once `SLICESCHED_STREAM_EXPIRY_S` (300 s) passed without an entry and without the owner's health key (checked by the GMG every half expiry, at most 30 s) |
+
+Where removal could lose work, the GMG does not remove: while a worker of the old config still runs (its health key
+names a device not in the cluster file, or a tenant other than the device's configured home), it waits up to
+`SLICESCHED_RECONCILE_WAIT_S` (10 s; a killed worker's health key lapses within 5 s) and then refuses to start
+(exit 2) naming the device, the worker's pid and the tenant: `gmg: refusing to start: device 'cpu2' is not in
+cluster.yaml but its worker (pid 4242) is still running: removing the device would lose the requests it runs; stop
+that worker first`.
+
+Requests of what was removed end with a clear error to their gateway: at its start the scheduler ends the requests
+it had placed for a removed tenant with 404 `tenant_removed` and those placed on a removed device with a retryable
+503 `device_removed` (their KV released); a removed tenant's request still in the requests stream is refused with
+400 `unknown_tenant`; a worker handed an assignment of a removed tenant ends it with 404 `tenant_removed`.
+
+After a SIGKILL of the whole mesh (services and Redis; AOF `everysec` keeps every acknowledged write), a restart
+recovers as the fault matrix asks: requests still in the scheduler's pending list are placed again; requests
+placed on a worker that is gone end with a retryable 503 `worker_failed` (the worker id changed) and their KV is
+released; leases expire; the killed gateway's tokens stream expires. Tests: `tests/e2e/test_restart_reconcile.py`
+(a changed cluster and tenants file on one data dir; a SIGKILL of the whole mesh, then a changed tenants file),
+`tests/integration/test_gmg_reconcile.py`, `tests/integration/test_scheduler_restart.py`,
+`tests/unit/gmg/test_reconcile.py`."""
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"
@@ -250,7 +294,7 @@ def render(rows: list[dict]) -> str:
             out.append("\nHTTP errors (all runs): " + ", ".join(f"{c} x{n}" for c, n in sorted(http.items())))
     if "22" in by_row:
         out += ["", REPLICATION.rstrip()]
-    out += ["", FINDINGS, ""]
+    out += ["", FINDINGS, "", RESTARTS, ""]
     return "\n".join(out)
 
 

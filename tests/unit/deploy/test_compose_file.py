@@ -185,7 +185,8 @@ def test_healthchecks_and_startup_order():
     for name in APP_SERVICES:
         svc = services[name]
         port = "8000" if name == "gateway" else _env(svc)["SLICESCHED_METRICS_PORT"]
-        assert f"http://127.0.0.1:{port}/health" in " ".join(svc["healthcheck"]["test"]), name
+        # compose healthchecks gate depends_on: readiness (/ready; the gateway's needs a live worker per tenant)
+        assert f"http://127.0.0.1:{port}/ready" in " ".join(svc["healthcheck"]["test"]), name
         deps = svc["depends_on"]
         assert deps["redis"]["condition"] == "service_healthy", name
         for dep, cond in deps.items():

@@ -142,7 +142,8 @@ def test_services_run_the_entry_points_with_probes_and_drain_time(tree, request)
         named = {p["name"]: p["containerPort"] for p in c["ports"]}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             get = c[probe]["httpGet"]
-            assert get["path"] == "/health", f"{name} {probe}"
+            # readiness: /ready (the gateway's: a live worker for every tenant); liveness and start-up: /health
+            assert get["path"] == ("/ready" if probe == "readinessProbe" else "/health"), f"{name} {probe}"
             assert named[get["port"]] == port, f"{name} {probe}"
         pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
         pause = float(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from shared.config import REPO_CONFIGS, load_cluster, load_tenants
+from shared.model.checks import check_deployment
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -14,5 +15,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     tenants = load_tenants(args.tenants, cluster)
+    check_deployment(cluster, tenants)  # the same checks `up` makes: homes, model fit, checkpoint tensors
     print(f"ok: {len(cluster.devices)} devices in {args.cluster}, {len(tenants.tenants)} tenants in {args.tenants}")
     return 0

@@ -31,8 +31,11 @@ def run(args: argparse.Namespace) -> int:
     from services.launcher import Launcher
     from services.scheduler.policy import load_live_policy
 
+    from shared.model.checks import check_deployment
+
     cluster = load_cluster(args.cluster)
-    load_tenants(args.tenants, cluster)  # validate before starting anything
+    tenants = load_tenants(args.tenants, cluster)  # validate before starting anything
+    check_deployment(cluster, tenants)  # homes, model fit, checkpoint tensors (as check-config)
     if args.port is None:
         args.port = env_number("SLICESCHED_GATEWAY_PORT", 8000, int, minimum=0, maximum=65535)
     named = ("arguments", "--policy")
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if stop["flag"]:
         launcher.stop()
         return 0
-    print(launcher.banner(dev_api_keys(args.tenants)), flush=True)
+    print(launcher.banner(dev_api_keys(args.tenants), {t.name: t.model.label for t in tenants.tenants}), flush=True)
     try:
         while not stop["flag"]:
             time.sleep(0.5)

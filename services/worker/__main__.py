@@ -35,6 +35,10 @@ def main() -> int:
         if len(homes) != 1:
             raise ConfigError(tenants.source, "home_devices",
                               f"device {device.id!r} must be home to exactly one tenant, found {len(homes)}")
+        from shared.model.checks import fit_problem
+        problem = fit_problem(homes[0], device, cluster.headroom_fraction)
+        if problem:
+            raise ConfigError(tenants.source, "home_devices", problem)
         knobs = engine_knobs()
         from services.worker.leases import LeaseOptions
         from services.worker.service import worker_env_threads

@@ -40,7 +40,7 @@ def test_tokenizer_synthesizer_exact(tmp_path):
 def test_synthesizer_for_tenants(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
-    (ck / "config.json").write_text('{"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, '
+    (ck / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, '
                                     '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}')
     bpe_tokenizer(ck / "tokenizer.json")
     cfg = parse_tenants({"tenants": [

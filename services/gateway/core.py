@@ -108,6 +108,7 @@ class ParsedRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely tokens'
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -209,6 +210,7 @@ def parse_request(data: Any, *, chat: bool) -> ParsedRequest:
                          max_tokens=max_tokens, max_tokens_param=mt_param, temperature=temperature, top_p=top_p,
                          top_k=top_k, repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency,
                          logprobs=logprobs, stop_token_ids=tuple(stop_ids), seed=seed, stop=stop,
+                         tokens_as_ids=_opt(data, "return_tokens_as_token_ids", bool, "a boolean") or False,
                          stream=stream, include_usage=include_usage, user=user, ignore_eos=ignore_eos)
 
 

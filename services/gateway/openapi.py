@@ -43,6 +43,8 @@ _SAMPLING = {
                                      "description": "extension (vLLM): > 1 discourages prompt and output tokens"}),
     "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0},
                                  "description": "extension (vLLM): token ids that end generation"}),
+    "return_tokens_as_token_ids": _nullable({"type": "boolean", "default": False,
+                                             "description": "extension (vLLM): logprobs name tokens 'token_id:<id>'"}),
 }
 _TOP = {"type": "object", "required": ["token", "logprob"],
         "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},

@@ -37,12 +37,24 @@ def _lp(v: float) -> float:
     return v if v > -9999.0 else -9999.0  # -inf is not JSON; vLLM reports it as -9999.0
 
 
-def logprobs_object(tokenizer: Any, token_ids: list[int], lps: list, *, chat: bool, offset: int = 0
-                    ) -> dict[str, Any] | None:
+class _IdNames:
+    """vLLM's ``return_tokens_as_token_ids``: every token is named ``token_id:<id>``."""
+
+    def token_text(self, t: int) -> str:
+        return f"token_id:{t}"
+
+    def token_bytes(self, t: int) -> bytes:
+        return self.token_text(t).encode()
+
+
+def logprobs_object(tokenizer: Any, token_ids: list[int], lps: list, *, chat: bool, offset: int = 0,
+                    as_ids: bool = False) -> dict[str, Any] | None:
     """OpenAI's ``logprobs`` of a choice (or of one streamed chunk) from the worker's per-token
     ``(logprob, [(token id, logprob), ...])`` entries; None when there are none."""
     if not lps:
         return None
+    if as_ids:
+        tokenizer = _IdNames()
     pairs = list(zip(token_ids, lps))
     if chat:
         def entry(t: int, lp: float) -> dict[str, Any]:

@@ -114,8 +114,8 @@ async def _collect(request: web.Request, ctx: RequestContext, pending: PendingRe
         if ev.finish_reason is not None:
             break
     progress.record(metrics, request)
-    lp = logprobs_object(ctx.tokenizer, ids, lps, chat=ctx.parsed.chat) if ctx.parsed.logprobs is not None \
-        else None
+    lp = logprobs_object(ctx.tokenizer, ids, lps, chat=ctx.parsed.chat, as_ids=ctx.parsed.tokens_as_ids) \
+        if ctx.parsed.logprobs is not None else None
     body = completion_body(request_id=ctx.request_id, chat=ctx.parsed.chat, created=ctx.created,
                            model=ctx.tenant.name, text="".join(parts), finish=progress.finish,
                            prompt_tokens=ctx.prompt_tokens, completion_tokens=progress.completion_tokens,
@@ -155,7 +155,7 @@ async def _stream(request: web.Request, ctx: RequestContext, pending: PendingReq
                 lp = None
                 if ev.logprobs and ctx.parsed.logprobs is not None:
                     lp = logprobs_object(ctx.tokenizer, ev.token_ids, ev.logprobs, chat=ctx.parsed.chat,
-                                         offset=offset)
+                                         offset=offset, as_ids=ctx.parsed.tokens_as_ids)
                     offset += sum(len(t) for t in lp.get("tokens", ()))  # type: ignore[union-attr]
                 out.append(shaper.delta(ev.text, lp))
             if ev.finish_reason is not None:

@@ -33,6 +33,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "simspeed": ("services.cli.bench_simspeed", "simulator speed: events/s on a trace"),
     "results": ("services.cli.bench_results", "regenerate docs/results.md and the README headline"),
     "overload": ("services.cli.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
+    "models": ("services.cli.bench_models", "tokens/s of the engine vs transformers on the same model, batch 1 and 8"),
 }
 
 

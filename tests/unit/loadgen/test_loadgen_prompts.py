@@ -51,3 +51,14 @@ def test_synthesizer_for_tenants(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="cannot load tokenizer"):
         TokenizerSynthesizer(tmp_path / "bad.json")
+
+
+def test_synthesizer_for_the_default_gguf_tenants_counts_like_the_server():
+    from shared.config import REPO_CONFIGS, load_cluster, load_tenants
+    from shared.model.tokenizer import load_tokenizer
+    t = load_tenants(REPO_CONFIGS / "tenants.yaml", load_cluster(REPO_CONFIGS / "cluster.yaml")).tenants[0]
+    s = synthesizer_for(t)
+    tok = load_tokenizer(t.model.checkpoint, t.model.config)
+    assert isinstance(s, TokenizerSynthesizer)
+    for n in (3, 64, 301):
+        assert len(tok.encode_prompt(s.prompt(n, salt=n))) == n

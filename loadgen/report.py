@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -52,10 +52,17 @@ class RequestRecord:
 
 @dataclass(frozen=True)
 class SlaTarget:
-    """A tenant's targets in seconds."""
+    """A tenant's targets in seconds; with ``per_request`` (``(input, output) -> (ttft_s, tpot_s)``, e.g.
+    :class:`shared.costmodel.sla.RequestTargets`) each request gets its own, priced from its lengths."""
 
     ttft_s: float
     tpot_s: float
+    per_request: Callable[[int, int], tuple[float, float]] | None = field(default=None, compare=False)
+
+    def for_request(self, rec: "RequestRecord") -> tuple[float, float]:
+        if self.per_request is None:
+            return self.ttft_s, self.tpot_s
+        return self.per_request(max(1, rec.input_tokens), max(1, rec.expected_output_tokens or rec.output_tokens))
 
 
 def tpot(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:
@@ -71,9 +78,10 @@ def violates(rec: RequestRecord, sla: SlaTarget | None) -> bool:
         return True
     if sla is None:
         return False
-    if rec.ttft_s is not None and rec.ttft_s > sla.ttft_s:
+    ttft_s, tpot_s = sla.for_request(rec)
+    if rec.ttft_s is not None and rec.ttft_s > ttft_s:
         return True
-    return rec.tpot_s is not None and rec.tpot_s > sla.tpot_s
+    return rec.tpot_s is not None and rec.tpot_s > tpot_s
 
 
 def _quantiles(values: list[float]) -> dict[str, float | None]:

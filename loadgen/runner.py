@@ -60,7 +60,11 @@ def select_requests(w: Workload, duration_s: float | None, max_requests: int | N
 
 
 def sla_targets(tenants: TenantsConfig) -> dict[str, SlaTarget]:
-    return {t.name: SlaTarget(t.sla.ttft_ms / 1000.0, t.sla.tpot_ms / 1000.0) for t in tenants.tenants}
+    """Each tenant's targets: absolute, or priced per request (``sla: {slowdown: k}``) from its lengths."""
+    from shared.costmodel.sla import RequestTargets
+    return {t.name: SlaTarget(t.sla.ttft_ms / 1000.0, t.sla.tpot_ms / 1000.0,
+                              RequestTargets(t.sla, t.model.config) if t.sla.per_request else None)
+            for t in tenants.tenants}
 
 
 def write_outputs(out_dir: Path, records: list[RequestRecord], summary: dict[str, Any]) -> None:

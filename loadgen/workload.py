@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from loadgen.mix import TenantPlan, auto_offset, build_requests, popularity_weights
+from loadgen.mix import SCALE_MODES, TenantPlan, auto_offset, build_requests, popularity_weights
 from loadgen.servegen import servegen_traces
 from loadgen.traces import FORMATS, TIME_UNITS, Trace, TraceError, expand_path, guess_format, read_trace
 from shared.config import ConfigError, load_cluster, load_tenants
@@ -48,6 +48,7 @@ class WorkloadSpec:
     duration_s: float
     alpha: float | None = None  # None = "native": every tenant keeps its trace's own rate
     rate_scale: float = 1.0
+    scale_mode: str = "superpose"
     cluster: str | None = None
     base_rate_rps: float | None = None
     offsets: str | dict[str, float] = "auto"
@@ -111,6 +112,12 @@ def _trace_spec(t: Any, file: Path, path: str) -> TraceSpec:
                      span_s=None if span is None else _positive(span, file, f"{path}.span_s"))
 
 
+def _scale_mode(v: str, file: Path) -> str:
+    if v not in SCALE_MODES:
+        raise ConfigError(file, "scale_mode", f"must be one of {', '.join(SCALE_MODES)}, got {v!r}")
+    return v
+
+
 def parse_workload(data: Any, file: str | Path) -> WorkloadSpec:
     """Validate a workload file's contents; every problem names the file and field."""
     file = Path(file)
@@ -146,8 +153,8 @@ def parse_workload(data: Any, file: str | Path) -> WorkloadSpec:
     jitter = _get(data, "replica_jitter_s", file, "", (int, float), default=None)
     if jitter is not None and jitter < 0:
         raise ConfigError(file, "replica_jitter_s", "must be ≥ 0")
-    known = {"name", "tenants", "cluster", "traces", "alpha", "seed", "duration_s", "rate_scale", "base_rate_rps",
-             "offsets", "replica_jitter_s", "caps", "description"}
+    known = {"name", "tenants", "cluster", "traces", "alpha", "seed", "duration_s", "rate_scale", "scale_mode",
+             "base_rate_rps", "offsets", "replica_jitter_s", "caps", "description"}
     for k in data:
         if k not in known:
             raise ConfigError(file, str(k), f"unknown field (valid: {', '.join(sorted(known))})")
@@ -157,6 +164,7 @@ def parse_workload(data: Any, file: str | Path) -> WorkloadSpec:
         duration_s=_positive(_get(data, "duration_s", file, "", (int, float)), file, "duration_s"),
         alpha=None if alpha is None else float(alpha),
         rate_scale=_positive(_get(data, "rate_scale", file, "", (int, float), default=1.0), file, "rate_scale"),
+        scale_mode=_scale_mode(_get(data, "scale_mode", file, "", str, default="superpose"), file),
         cluster=_get(data, "cluster", file, "", str, default=None),
         base_rate_rps=None if base is None else _positive(base, file, "base_rate_rps"),
         offsets=offsets, replica_jitter_s=None if jitter is None else float(jitter),
@@ -265,9 +273,9 @@ def workload_from_spec(spec: WorkloadSpec, rate_scale: float | None = None) -> W
     contexts = [t.model.config.max_position_embeddings for t in tenants.tenants]
     traces = resolve_traces(spec)
     plans = plan_tenants(spec, names, contexts, traces)
-    requests = build_requests(plans, scale, spec.duration_s, spec.seed)
+    requests = build_requests(plans, scale, spec.duration_s, spec.seed, spec.scale_mode)
     meta = {
-        "alpha": "native" if spec.alpha is None else spec.alpha,
+        "alpha": "native" if spec.alpha is None else spec.alpha, "scale_mode": spec.scale_mode,
         "traces": [{"name": t.name, "rate_rps": t.rate_rps, "period_s": t.period_s, "rows": len(t)} for t in traces],
         "tenants": {p.tenant: {"trace": p.trace.name, "target_rate_rps": p.target_rate_rps * scale,
                                "offset_s": p.offset_s, "factor": p.factor, "context": p.context} for p in plans},

@@ -42,3 +42,14 @@ def http_url(text: str) -> str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad port in {text!r}") from None
     return text.rstrip("/")
+
+
+def seed_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of distinct seeds (integers ≥ 0), e.g. ``1,2,3``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of seeds, e.g. 1,2,3")
+    out = tuple(nonneg_int(p) for p in parts)
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"seeds repeat: {text}")
+    return out

@@ -15,25 +15,18 @@ from typing import Any
 
 import yaml
 
+from shared.config_error import ConfigError
+from shared.costmodel.profiles import LINK_KINDS
 from shared.model.config import PRESETS, ModelConfig
 from shared.model.hf_config import GenerationDefaults
 
 BACKENDS = ("cpu", "cuda", "emulated")
 DEVICE_KINDS = ("cpu", "a100-80gb", "h100-80gb", "h200")
-LINK_KINDS = ("shm", "tcp", "cuda_ipc", "nccl", "nvlink", "pcie")
 GIB = 1024**3
 
 
 # The live scheduler's policy unless ``--policy`` / ``SLICESCHED_POLICY`` names another (docs/policies.md).
 DEFAULT_POLICY = "slice"
-
-
-class ConfigError(ValueError):
-    """A configuration problem: ``file: field: what is wrong``."""
-
-    def __init__(self, file: str | Path, field_path: str, problem: str) -> None:
-        self.file, self.field_path, self.problem = str(file), field_path, problem
-        super().__init__(f"{file}: {field_path}: {problem}")
 
 
 def env_number(name: str, default: float, kind: type = float, *, minimum: float | None = None,
@@ -97,8 +90,21 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class SLA:
+    """A tenant's latency targets.
+
+    Absolute (``slowdown`` 0): every request must meet ``ttft_ms`` and ``tpot_ms``. Per request (``slowdown`` > 0,
+    DESIGN §9's default): a request's targets are ``slowdown`` × its own isolated TTFT and TPOT on the tenant's
+    home device kind (:func:`shared.costmodel.sla.request_targets`); ``ttft_ms``/``tpot_ms`` then hold the targets
+    of the reference request (:data:`shared.costmodel.sla.REFERENCE_REQUEST`), for what needs one figure per tenant (admission, the policies' heuristics)."""
+
     ttft_ms: float
     tpot_ms: float
+    slowdown: float = 0.0
+    kind: str = ""  # per request: the device kind the isolated latencies are priced on (the first home device's)
+
+    @property
+    def per_request(self) -> bool:
+        return self.slowdown > 0
 
 
 @dataclass(frozen=True)
@@ -328,11 +334,6 @@ def parse_tenants(data: Any, file: str | Path = "<memory>", cluster: ClusterConf
             raise ConfigError(file, f"{path}.name", f"duplicate tenant name {name!r}")
         names.add(name)
         model = _parse_model(_req(t, "model", file, path, (str, dict)), file, f"{path}.model")
-        sla_raw = _req(t, "sla", file, path, dict)
-        ttft = _req(sla_raw, "ttft_ms", file, f"{path}.sla", (int, float))
-        tpot = _req(sla_raw, "tpot_ms", file, f"{path}.sla", (int, float))
-        if ttft <= 0 or tpot <= 0:
-            raise ConfigError(file, f"{path}.sla", "ttft_ms and tpot_ms must be positive")
         homes = _req(t, "home_devices", file, path, list)
         if not homes or not all(isinstance(h, str) for h in homes):
             raise ConfigError(file, f"{path}.home_devices", "expected a non-empty list of device ids")
@@ -340,6 +341,8 @@ def parse_tenants(data: Any, file: str | Path = "<memory>", cluster: ClusterConf
             for h in homes:
                 if h not in device_ids:
                     raise ConfigError(file, f"{path}.home_devices", f"unknown device {h!r} (not in {cluster.source})")
+        sla = _parse_sla(_req(t, "sla", file, path, dict), file, f"{path}.sla", model,
+                         cluster.device(homes[0]).kind if cluster is not None else None)
         hashes = []
         for j, k in enumerate(_req(t, "api_keys", file, path, list, default=[]) or []):
             if not isinstance(k, str) or len(k) < 8:
@@ -360,9 +363,35 @@ def parse_tenants(data: Any, file: str | Path = "<memory>", cluster: ClusterConf
         if max_queue <= 0:
             raise ConfigError(file, f"{path}.max_queue", "must be a positive integer")
         weight = _req(t, "weight", file, path, (int, float), default=1.0)
-        out.append(TenantConfig(name=name, model=model, sla=SLA(float(ttft), float(tpot)), home_devices=tuple(homes),
+        out.append(TenantConfig(name=name, model=model, sla=sla, home_devices=tuple(homes),
                                 api_key_hashes=tuple(hashes), max_queue=max_queue, quota=quota, weight=float(weight)))
     return TenantsConfig(tenants=tuple(out), source=str(file))
+
+
+def _parse_sla(raw: dict, file: str | Path, path: str, model: ModelSpec, kind: str | None) -> SLA:
+    """``{ttft_ms, tpot_ms}`` (absolute targets) or ``{slowdown: k}`` (k × each request's isolated latency on the
+    tenant's home device kind ``kind``, which must then be known: parse with the cluster)."""
+    for k in raw:
+        if k not in ("ttft_ms", "tpot_ms", "slowdown"):
+            raise ConfigError(file, f"{path}.{k}", "unknown field (valid: slowdown, or ttft_ms and tpot_ms)")
+    if "slowdown" in raw:
+        if "ttft_ms" in raw or "tpot_ms" in raw:
+            raise ConfigError(file, path, "give either slowdown (per-request targets) or ttft_ms and tpot_ms "
+                                          "(absolute targets), not both")
+        k = _req(raw, "slowdown", file, path, (int, float))
+        if not k > 1:
+            raise ConfigError(file, f"{path}.slowdown", f"must be > 1 (a multiple of the isolated latency), got {k!r}")
+        if kind is None:
+            raise ConfigError(file, f"{path}.slowdown", "a per-request SLA needs the cluster file (the home devices' "
+                                                        "kind prices each request's isolated latency)")
+        from shared.costmodel.sla import reference_targets  # lazy: the cost model reads this module
+        ttft_s, tpot_s = reference_targets(model.config, kind, float(k))
+        return SLA(ttft_s * 1e3, tpot_s * 1e3, float(k), kind)
+    ttft = _req(raw, "ttft_ms", file, path, (int, float))
+    tpot = _req(raw, "tpot_ms", file, path, (int, float))
+    if ttft <= 0 or tpot <= 0:
+        raise ConfigError(file, path, "ttft_ms and tpot_ms must be positive")
+    return SLA(float(ttft), float(tpot))
 
 
 def load_tenants(path: str | Path, cluster: ClusterConfig | None = None) -> TenantsConfig:

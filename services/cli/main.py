@@ -1,7 +1,8 @@
 """``slicesched`` command: one subcommand per module, imported lazily so each stays cheap to start.
 
-A subcommand module defines ``configure(parser)`` and ``run(args) -> int``. Configuration problems
-(:class:`shared.config.ConfigError`) and bad arguments print one line naming the file/field and exit 2.
+The ``bench`` subcommands live in the :mod:`bench` package (evaluation, apart from the product) and are named here
+only as module strings. A subcommand module defines ``configure(parser)`` and ``run(args) -> int``. Configuration
+problems (:class:`shared.config.ConfigError`) and bad arguments print one line naming the file/field and exit 2.
 """
 from __future__ import annotations
 
@@ -18,22 +19,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.cli.up", "start Redis (embedded default) and every service; Ctrl-C stops all"),
     "check-config": ("services.cli.check_config", "validate cluster.yaml and tenants.yaml"),
     "simulate": ("services.cli.simulate", "replay a workload on a modelled cluster with one policy (offline)"),
+    "plan": ("services.cli.plan", "plan each tenant's containers for a workload under the SLA (simulated)"),
     "profile": ("services.cli.profile", "micro-benchmark the real operators on a local device, write a profile"),
     "inspect": ("services.cli.inspect", "show devices, tenants, leases, forecasts, streams, a request's journey"),
 }
 BENCH: dict[str, tuple[str, str]] = {
-    "overhead": ("services.cli.bench_overhead", "per-token time through the mesh vs in-process decode"),
-    "cpu": ("services.cli.bench_cpu", "CPU per request of each mesh process at a steady load"),
-    "accuracy": ("services.cli.bench_accuracy", "simulator error against the real CPU mesh"),
-    "compare": ("services.cli.bench_compare", "max sustainable throughput per policy, side by side"),
-    "decisions": ("services.cli.bench_decisions", "scheduling decision latency against Redis"),
-    "transport": ("services.cli.bench_transport", "tensor transport bandwidth/latency per backend"),
-    "whatif": ("services.cli.bench_whatif", "what-if RPC latency on a synthetic twin"),
-    "guest": ("services.cli.bench_guest", "guest execution: segment RPC cost, step time alone vs leased"),
-    "simspeed": ("services.cli.bench_simspeed", "simulator speed: events/s on a trace"),
-    "results": ("services.cli.bench_results", "regenerate docs/results.md and the README headline"),
-    "overload": ("services.cli.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
-    "models": ("services.cli.bench_models", "tokens/s of the engine vs transformers on the same model, batch 1 and 8"),
+    "overhead": ("bench.bench_overhead", "per-token time through the mesh vs in-process decode"),
+    "cpu": ("bench.bench_cpu", "CPU per request of each mesh process at a steady load"),
+    "accuracy": ("bench.bench_accuracy", "simulator error against the real CPU mesh"),
+    "compare": ("bench.bench_compare", "max sustainable throughput per policy, side by side"),
+    "decisions": ("bench.bench_decisions", "scheduling decision latency against Redis"),
+    "transport": ("bench.bench_transport", "tensor transport bandwidth/latency per backend"),
+    "whatif": ("bench.bench_whatif", "what-if RPC latency on a synthetic twin"),
+    "guest": ("bench.bench_guest", "guest execution: segment RPC cost, step time alone vs leased"),
+    "simspeed": ("bench.bench_simspeed", "simulator speed: events/s on a trace"),
+    "results": ("bench.bench_results", "regenerate docs/results.md and the README headline"),
+    "overload": ("bench.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
+    "costmodel": ("bench.bench_costmodel", "GPU cost model vs measured H100/A100 timings (Vidur); --fit-out"),
+    "models": ("bench.bench_models", "tokens/s of the engine vs transformers on the same model, batch 1 and 8"),
 }
 
 

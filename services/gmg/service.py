@@ -10,7 +10,7 @@ from prometheus_client import Counter, Gauge
 
 from shared.config import ClusterConfig, Settings, TenantsConfig
 from shared.gmg import GMGStore
-from shared.gmg.leases import expire_leases
+from shared.gmg.lease_store import expire_leases
 from shared.messages import GROUP_GMG, EventsMsg, dead_stream, events_stream
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
 from shared.service import ServiceShell, run_tasks

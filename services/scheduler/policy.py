@@ -18,4 +18,4 @@ def load_live_policy(name: str, params_json: str = "", base: dict | None = None)
         raise ValueError(f"SLICESCHED_POLICY_PARAMS is not valid JSON: {e}") from None
     if not isinstance(override, dict):
         raise ValueError("SLICESCHED_POLICY_PARAMS must be a JSON object of parameter -> value")
-    return make_policy(name, policy_params(name, base, override, containers="homes"))
+    return make_policy(name, policy_params(name, base, override))

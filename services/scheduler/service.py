@@ -21,9 +21,9 @@ from shared.requests_state import (TERMINAL_STATES, TERMINAL_TTL_S, TerminalFenc
 from shared.service import ServiceShell, run_tasks
 from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.scheduler.core import DeviceView, Pending, SchedulerCore
-from services.scheduler.live import LeaseManager, SnapshotBuilder
+from services.scheduler.policy_bridge import LeaseManager, SnapshotBuilder
 from shared.gmg.keys import GMGKeys
-from shared.gmg.leases import unpinned_entries
+from shared.gmg.lease_store import unpinned_entries
 from shared.policies import Trigger
 
 log = structlog.get_logger()

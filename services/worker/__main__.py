@@ -40,7 +40,7 @@ def main() -> int:
         if problem:
             raise ConfigError(tenants.source, "home_devices", problem)
         knobs = engine_knobs()
-        from services.worker.leases import LeaseOptions
+        from services.worker.lease_agent import LeaseOptions
         from services.worker.service import worker_env_threads
         lease_options = LeaseOptions.from_env()
         worker_env_threads(device)

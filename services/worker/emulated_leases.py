@@ -2,7 +2,7 @@
 the cost model only (no tensors move; everything here is emulated).
 
 * Driver: while a lease is in its window, an iteration takes the time the simulator's closed form gives for the
-  pipelined, offloaded iteration (:func:`shared.sim.offload.offloaded_iteration_time`, ``micro_batches`` parts),
+  pipelined, offloaded iteration (:func:`shared.costmodel.offload.offloaded_iteration_time`, ``micro_batches`` parts),
   if that is shorter than running alone. The guest gives the lease its ``share`` while its own tenant has work,
   and all that its other leases leave while it is idle (when it is an emulated device of this process; else
   ``share``), as a real guest's :class:`~services.worker.device_lock.DeviceLock` does.
@@ -27,7 +27,7 @@ from shared.config import ClusterConfig, DeviceConfig, TenantConfig, TenantsConf
 from shared.costmodel import cost_for
 from shared.messages import LeaseGranted, LeaseRevoked
 from shared.model.engine import StepResult
-from shared.sim.offload import OffloadPart, OffloadTiming, offloaded_iteration_time
+from shared.costmodel.offload import OffloadPart, OffloadTiming, offloaded_iteration_time
 
 log = structlog.get_logger(__name__)
 

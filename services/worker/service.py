@@ -66,7 +66,7 @@ class WorkerService:
         self.consumer = StreamConsumer(cmd=self.redis, blocking=self.blocking, stream=worker_stream(self.p, device.id),
                                        group=GROUP_WORKER, consumer=device.id, types=WorkerMsg, handler=self._on_msg,
                                        dead_stream=dead_stream(self.p), min_idle_ms=60_000)
-        self.lease_agent = None  # guest execution (services/worker/leases.py) when the backend supports it
+        self.lease_agent = None  # guest execution (services/worker/lease_agent.py) when the backend supports it
         if tenants is not None:
             self.lease_agent = self._make_lease_agent(tenants, lease_options)
         self._busy_s = 0.0
@@ -117,7 +117,7 @@ class WorkerService:
             from services.worker.emulated_leases import EmulatedLeaseAgent
             return EmulatedLeaseAgent(cluster=self.cluster, device=self.device, tenant=self.tenant, tenants=tenants,
                                       engine=self.engine, peers=options)  # the process's EmulatedPeers, if any
-        from services.worker.leases import LeaseAgent
+        from services.worker.lease_agent import LeaseAgent
         return LeaseAgent(prefix=self.p, redis=self.redis, gmg=self.gmg, cluster=self.cluster, device=self.device,
                           tenant=self.tenant, tenants=tenants, engine=self.engine, options=options,
                           home_busy=lambda: self.engine.has_work() or bool(self.pending_ops))

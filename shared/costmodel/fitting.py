@@ -97,7 +97,20 @@ class _Problem:
                 by.append(b)
             y.append(m.value_ms / 1e3)
             w.append(1.0 / (m.rel_se ** 2 + 0.02 ** 2))
-        self.nc, self.nb = len(OP_CLASSES), len(buckets) + 1
+        self._setup(tp, tc, tb, fl, by, y, w, len(OP_CLASSES), len(buckets) + 1, per_class_launch)
+
+    @classmethod
+    def from_terms(cls, tb: Sequence[int], flops: Sequence[float], nbytes: Sequence[float], y: Sequence[float],
+                   w: Sequence[float], nb: int) -> "_Problem":
+        """One row (class or kind) whose every measurement is a single operator: bucket index, FLOPs, bytes,
+        measured seconds, weight."""
+        pr = cls.__new__(cls)
+        n = len(y)
+        pr._setup(range(n), [0] * n, tb, flops, nbytes, y, w, 1, nb, True)
+        return pr
+
+    def _setup(self, tp, tc, tb, fl, by, y, w, nc: int, nb: int, per_class_launch: bool) -> None:
+        self.nc, self.nb = nc, nb
         self.tp, self.tc, self.tb = np.array(tp), np.array(tc), np.array(tb)
         self.f, self.b = np.array(fl, dtype=float), np.array(by, dtype=float)
         self.y, self.w = np.array(y), np.array(w)
@@ -158,6 +171,21 @@ def fit_rates(data: Sequence[tuple[ModelConfig, Measurement]], *, peak_flops: fl
     # the systems are ~100 x 100: a threaded BLAS only thrashes (40x slower on a loaded 2-core machine)
     with threadpool_limits(1):
         return _fit(pr, peak_flops, mem_bandwidth, smooth, max_iter, starts)
+
+
+def fit_row(bucket_index: Sequence[int], flops: Sequence[float], nbytes: Sequence[float], measured_s: Sequence[float],
+            weights: Sequence[float], *, n_buckets: int, peak_flops: float, mem_cap: float, smooth: float = 1.0,
+            max_iter: int = 200, starts: Sequence[tuple[float, float, float]] = STARTS) -> FitResult:
+    """Fit one efficiency row (effective FLOP/s and bytes/s per bucket, one launch overhead) to measurements of
+    single operators (one term each), capped at ``peak_flops`` and ``mem_cap`` bytes/s. Same objective and
+    solver as :func:`fit_rates`."""
+    from threadpoolctl import threadpool_limits
+
+    pr = _Problem.from_terms(bucket_index, flops, nbytes, measured_s, weights, n_buckets)
+    if pr.n == 0:
+        raise ValueError("no measurements to fit")
+    with threadpool_limits(1):
+        return _fit(pr, peak_flops, mem_cap, smooth, max_iter, starts)
 
 
 def _fit(pr: _Problem, peak_flops: float, mem_bandwidth: float, smooth: float, max_iter: int,

@@ -1,7 +1,8 @@
 """Roofline time of operators, segments and whole iterations of one model on one device kind.
 
 Per operator: ``max(flops / (peak × eff_c), bytes / (bandwidth × eff_m)) + launch overhead`` with the
-efficiencies of the operator's class and size bucket (:mod:`shared.costmodel.profiles`). FLOPs and bytes come
+efficiencies of the operator's kind (where the profile has a row for it) or class, and size bucket
+(:mod:`shared.costmodel.profiles`). FLOPs and bytes come
 from the operator graph (:mod:`shared.model.graph`). Attention is costed from the batch's KV work; decode and
 prefill attention are separate kernels (as in paged-attention engines), so a decode-only iteration is exactly
 affine in the batch's total KV length, which the simulator uses to advance runs of decode iterations in
@@ -37,9 +38,9 @@ def op_time(profile: DeviceProfile, op: OperatorSpec, tokens: int, kv_tokens: in
     if tokens <= 0:
         return 0.0
     cls = OP_CLASS[op.kind]
-    rc, rm = profile.rates(cls, tokens)
+    rc, rm = profile.rates(cls, tokens, op.kind)
     return max(op.flops(tokens, kv_tokens) / rc, op.bytes_moved(tokens, kv_tokens, kv_read_tokens) / rm) \
-        + profile.launch_s(cls)
+        + profile.launch_s(cls, op.kind)
 
 
 class ModelCost:

@@ -1,9 +1,12 @@
 """Device profiles: peak FLOP/s, memory bandwidth, memory, links and efficiencies per operator class and size.
 
-Profiles live as YAML files in ``shared/costmodel/profiles/`` (one per device kind). GPU profiles ship with
-datasheet peaks and estimated efficiencies (``source: "datasheet, uncalibrated"``); ``slicesched profile``
-replaces a profile with measured values. Every problem in a profile file raises
-:class:`shared.config.ConfigError` naming the file and field.
+Profiles live as YAML files in ``shared/costmodel/profiles/`` (one per device kind). The H100 and A100 profiles
+are fitted to measured operator timings (``slicesched bench costmodel --fit-out``, see docs/profiling.md), the
+H200 one is derived from the H100 fit; ``slicesched profile`` replaces a profile with values measured on the
+local device. Efficiency rows are per operator class (``gemm``, ``attention``, ``elementwise``, ``embedding``:
+all required) and optionally per operator kind of :mod:`shared.model.graph` (e.g. ``rmsnorm``, ``rope``), which
+then overrides its class's row for that kind. Every problem in a profile file raises
+:class:`shared.config_error.ConfigError` naming the file and field.
 """
 from __future__ import annotations
 
@@ -15,10 +18,16 @@ from typing import Any
 
 import yaml
 
-from shared.config import LINK_KINDS, ConfigError
+from shared.config_error import ConfigError
+from shared.model.graph import OPERATOR_KINDS
+
+LINK_KINDS = ("shm", "tcp", "cuda_ipc", "nccl", "nvlink", "pcie")  # tensor transports between devices
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 OP_CLASSES = ("gemm", "attention", "elementwise", "embedding")
+# Memory efficiency is relative to the DRAM datasheet bandwidth; an operator whose operands the previous kernel
+# left in the on-chip cache (e.g. a residual add on a GPU's 40-50 MB L2) measures above it.
+MAX_MEMORY_EFF = 1.5
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,9 @@ class LinkSpec:
 class DeviceProfile:
     """Performance model of one device kind.
 
-    ``compute_eff[op_class][bucket]`` and ``memory_eff[op_class][bucket]`` are fractions of peak; buckets are
-    chosen by the number of token rows entering the operator (``buckets`` holds the upper bounds, a last bucket
-    covers everything above).
+    ``compute_eff[row][bucket]`` and ``memory_eff[row][bucket]`` are fractions of peak, where a row is an
+    operator class or (optional, overriding its class) an operator kind; buckets are chosen by the number of
+    token rows entering the operator (``buckets`` holds the upper bounds, a last bucket covers everything above).
     """
 
     kind: str
@@ -49,7 +58,7 @@ class DeviceProfile:
     compute_eff: dict[str, tuple[float, ...]]
     memory_eff: dict[str, tuple[float, ...]]
     file: str = "<memory>"
-    launch_overhead_by_class: dict[str, float] = field(default_factory=dict)  # optional, per operator class
+    launch_overhead_by_class: dict[str, float] = field(default_factory=dict)  # optional, per class or kind
     step_overhead_s: float = 0.0  # per iteration, outside the operators (batch layout, sampling, bookkeeping)
     _eff_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -57,22 +66,26 @@ class DeviceProfile:
         """Index of the size bucket for an operator over ``tokens`` rows."""
         return bisect.bisect_left(self.buckets, tokens)
 
-    def rates(self, op_class: str, tokens: int) -> tuple[float, float]:
-        """Effective (FLOP/s, bytes/s) for an operator class at this size: peak × efficiency."""
-        key = (op_class, self.bucket(tokens))
+    def rates(self, op_class: str, tokens: int, kind: str | None = None) -> tuple[float, float]:
+        """Effective (FLOP/s, bytes/s) for an operator at this size: peak × efficiency of the operator kind's
+        row if the profile has one, else of its class's."""
+        key = (op_class, kind, self.bucket(tokens))
         r = self._eff_cache.get(key)
         if r is None:
-            b = key[1]
-            r = (self.peak_flops * self.compute_eff[op_class][b], self.mem_bandwidth * self.memory_eff[op_class][b])
+            row, b = (kind if kind in self.compute_eff else op_class), key[2]
+            r = (self.peak_flops * self.compute_eff[row][b], self.mem_bandwidth * self.memory_eff[row][b])
             self._eff_cache[key] = r
         return r
 
-    def launch_s(self, op_class: str) -> float:
-        """Fixed cost (s) of one operator of ``op_class``: its class's overhead if the profile has one."""
-        return self.launch_overhead_by_class.get(op_class, self.launch_overhead_s)
+    def launch_s(self, op_class: str, kind: str | None = None) -> float:
+        """Fixed cost (s) of one operator: its kind's overhead, else its class's, else ``launch_overhead_s``."""
+        by = self.launch_overhead_by_class
+        if kind is not None and kind in by:
+            return by[kind]
+        return by.get(op_class, self.launch_overhead_s)
 
     def link(self, kind: str) -> LinkSpec:
-        """The link spec for ``kind`` (one of shared.config.LINK_KINDS)."""
+        """The link spec for ``kind`` (one of LINK_KINDS)."""
         try:
             return self.links[kind]
         except KeyError:
@@ -137,27 +150,20 @@ def parse_profile(data: Any, file: str | Path = "<memory>") -> DeviceProfile:
     if not isinstance(buckets, list) or not all(isinstance(b, int) and b > 0 for b in buckets) \
             or buckets != sorted(buckets):
         raise ConfigError(file, "efficiency.buckets", "expected an increasing list of positive integers")
-    tables: dict[str, dict[str, tuple[float, ...]]] = {}
-    for part in ("compute", "memory"):
-        t = eff.get(part)
-        if not isinstance(t, dict):
-            raise ConfigError(file, f"efficiency.{part}", "required mapping of operator class -> list")
-        tables[part] = {}
-        for cls in OP_CLASSES:
-            row = t.get(cls)
-            path = f"efficiency.{part}.{cls}"
-            if not isinstance(row, list) or len(row) != len(buckets) + 1:
-                raise ConfigError(file, path, f"expected a list of {len(buckets) + 1} fractions (one per bucket)")
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1 for x in row):
-                raise ConfigError(file, path, "every efficiency must be a number in (0, 1]")
-            tables[part][cls] = tuple(float(x) for x in row)
+    tables = {part: _efficiency_table(eff, part, len(buckets) + 1, file) for part in ("compute", "memory")}
+    extra = set(tables["compute"]) ^ set(tables["memory"])
+    if extra:
+        k = sorted(extra)[0]
+        part = "memory" if k in tables["compute"] else "compute"
+        raise ConfigError(file, f"efficiency.{part}.{k}", "an operator kind's row needs both a compute and a memory row")
     by_class = data.get("launch_overhead_by_class") or {}
     if not isinstance(by_class, dict):
         raise ConfigError(file, "launch_overhead_by_class", "expected a mapping of operator class -> seconds")
     for cls in by_class:
-        if cls not in OP_CLASSES:
+        if cls not in OP_CLASSES and cls not in OPERATOR_KINDS:
             raise ConfigError(file, f"launch_overhead_by_class.{cls}",
-                              f"unknown operator class; valid: {', '.join(OP_CLASSES)}")
+                              f"unknown operator class or kind; valid: {', '.join(OP_CLASSES)} or an operator "
+                              f"kind ({', '.join(OPERATOR_KINDS)})")
     launch_by_class = {cls: _num(by_class, cls, file, "launch_overhead_by_class.", positive=False)
                        for cls in by_class}
     step_overhead = _num(data, "step_overhead_s", file, "", positive=False) if "step_overhead_s" in data else 0.0
@@ -171,6 +177,26 @@ def parse_profile(data: Any, file: str | Path = "<memory>") -> DeviceProfile:
                          links=links, buckets=tuple(buckets), compute_eff=tables["compute"],
                          memory_eff=tables["memory"], file=file, launch_overhead_by_class=launch_by_class,
                          step_overhead_s=step_overhead)
+
+
+def _efficiency_table(eff: dict, part: str, n: int, file: str) -> dict[str, tuple[float, ...]]:
+    """``efficiency.compute`` or ``efficiency.memory``: every class row (required) and any operator kind rows."""
+    t = eff.get(part)
+    if not isinstance(t, dict):
+        raise ConfigError(file, f"efficiency.{part}", "required mapping of operator class -> list")
+    hi = 1.0 if part == "compute" else MAX_MEMORY_EFF
+    out = {}
+    for key in (*OP_CLASSES, *(k for k in t if k not in OP_CLASSES)):
+        row, path = t.get(key), f"efficiency.{part}.{key}"
+        if key not in OP_CLASSES and key not in OPERATOR_KINDS:
+            raise ConfigError(file, path, f"unknown row; valid: the classes {', '.join(OP_CLASSES)} or an operator "
+                                          f"kind ({', '.join(OPERATOR_KINDS)})")
+        if not isinstance(row, list) or len(row) != n:
+            raise ConfigError(file, path, f"expected a list of {n} fractions (one per bucket)")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= hi for x in row):
+            raise ConfigError(file, path, f"every efficiency must be a number in (0, {hi:g}]")
+        out[key] = tuple(float(x) for x in row)
+    return out
 
 
 def load_profile_file(path: str | Path) -> DeviceProfile:

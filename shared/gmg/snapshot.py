@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from shared.gmg.keys import GMGKeys
-from shared.gmg.leases import Lease
+from shared.gmg.lease_store import Lease
 from shared.gmg.store import Reservation
 
 
@@ -28,8 +28,8 @@ def _f(v: Any) -> float:
 
 
 @dataclass(frozen=True)
-class DeviceState:
-    """One device: static profile, memory accounting and the newest heartbeat."""
+class DeviceRecord:
+    """One device as the GMG stores it: static profile, memory accounting and the newest heartbeat."""
 
     id: str
     kind: str
@@ -59,7 +59,7 @@ class DeviceState:
         return self.limit - self.reserved
 
     @classmethod
-    def from_hash(cls, h: dict[str, str]) -> "DeviceState":
+    def from_hash(cls, h: dict[str, str]) -> "DeviceRecord":
         return cls(id=h.get("id", ""), kind=h.get("kind", ""), backend=h.get("backend", ""), host=h.get("host", ""),
                    capacity=_i(h.get("capacity")), limit=_i(h.get("limit")), reserved=_i(h.get("reserved")),
                    used=_i(h.get("used")), state=h.get("state", "down"), home_tenant=h.get("home_tenant", ""),
@@ -69,7 +69,9 @@ class DeviceState:
 
 
 @dataclass(frozen=True)
-class TenantState:
+class TenantRecord:
+    """One tenant as the GMG stores it (policies see :class:`shared.policies.snapshot.TenantState`)."""
+
     name: str
     model: str
     sla_ttft_ms: float
@@ -79,7 +81,7 @@ class TenantState:
     kv_bytes_per_token: int = 0
 
     @classmethod
-    def from_hash(cls, h: dict[str, str]) -> "TenantState":
+    def from_hash(cls, h: dict[str, str]) -> "TenantRecord":
         return cls(name=h.get("name", ""), model=h.get("model", ""), sla_ttft_ms=_f(h.get("sla_ttft_ms")),
                    sla_tpot_ms=_f(h.get("sla_tpot_ms")),
                    home_devices=tuple(x for x in h.get("home_devices", "").split(",") if x),
@@ -99,8 +101,8 @@ class GMGSnapshot:
     """The whole GMG at one epoch."""
 
     epoch: int
-    devices: dict[str, DeviceState]
-    tenants: dict[str, TenantState]
+    devices: dict[str, DeviceRecord]
+    tenants: dict[str, TenantRecord]
     reservations: dict[str, dict[str, Reservation]]  # device -> owner -> reservation (weights, KV, leases, ...)
     resident: dict[str, dict[tuple[str, str], int]]  # device -> (tenant, segment) -> bytes
     pins: dict[str, dict[tuple[str, str], int]]  # device -> (tenant, segment) -> active leases using it
@@ -171,9 +173,9 @@ def _parse(keys: GMGKeys, key: str, v: Any) -> tuple[str, str, Any]:
     """(kind, id, typed value) of one mirrored key; value None for keys the snapshot does not expose."""
     kind, ident = keys.parse(key)
     if kind == "device":
-        return kind, ident, DeviceState.from_hash(v)
+        return kind, ident, DeviceRecord.from_hash(v)
     if kind == "tenant":
-        return kind, ident, TenantState.from_hash(v)
+        return kind, ident, TenantRecord.from_hash(v)
     if kind == "reservations":
         return kind, ident, {o: _reservation(ident, o, x) for o, x in v.items()}
     if kind in ("resident", "pins"):

@@ -5,7 +5,7 @@ the measured figure the worker reports, for inspection and for checking the acco
 
 Every write (commits by schedulers, structure and live state by the GMG service) bumps the GMG epoch and appends one
 replayable entry to the change stream inside the same script (:mod:`shared.gmg.mutations`), so a follower can
-rebuild the GMG from a snapshot plus the stream. Leases and weight staging live in :mod:`shared.gmg.leases`.
+rebuild the GMG from a snapshot plus the stream. Leases and weight staging live in :mod:`shared.gmg.lease_store`.
 """
 from __future__ import annotations
 

@@ -114,6 +114,8 @@ class OperatorSpec:
             reads = kv_tokens if kv_read_tokens is None else kv_read_tokens
             return float(t * self.in_features * db + t * self.out_features * db
                          + t * kv_width * db + reads * kv_width * db)
+        if self.kind == "rope":  # q and k are rotated (read and written); v passes through untouched
+            return float(2 * t * (self.num_heads + self.num_kv_heads) * self.head_dim * db)
         n_inputs = 2 if self.kind == "residual_add" else 1
         return float(self.weight_bytes + n_inputs * t * self.in_features * db + t * self.out_features * db)
 

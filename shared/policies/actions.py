@@ -20,8 +20,8 @@ class Placement:
     """Initial assignment: which tenants have an engine (full weights resident) on which device.
 
     ``sharing`` says how a device with several engines divides its time: ``exclusive`` (one engine),
-    ``round_robin``, ``weighted`` (``weights[(device, tenant)]`` shares) or ``switch`` (one tenant at a time with a
-    switch cost). ``dynamic_engines``: routing may open an engine on any device. ``weights_free``: weights cost
+    ``round_robin``, ``weighted`` (``weights[(device, tenant)]`` shares), ``switch`` (one tenant at a time with a
+    switch cost) or ``edf`` (the engine with the earliest SLA deadline among its requests goes next). ``dynamic_engines``: routing may open an engine on any device. ``weights_free``: weights cost
     no memory (the simulation-only bound).
     """
 

@@ -1,8 +1,13 @@
 """``container``: static containers, a tenant's work runs only on its own devices (the main baseline).
 
-Offline, containers are sized in proportion to each tenant's average offered work (device-seconds of its
-requests on its home device kind), at least one device each; a request goes to the device of its container with
-the fewest outstanding requests. Every engine uses the same continuous batching and cost model as all policies.
+The containers are the tenants' home devices: the tenants file's, or a partition planned for the workload under
+the SLA (``slicesched plan containers``; ``bench compare`` plans one per workload and gives it to every policy). A
+request goes to the device of its container with the fewest outstanding requests. Every engine uses the same
+continuous batching and cost model as all policies.
+
+``container-avgwork`` is the same policy on containers sized in proportion to each tenant's average offered work
+(device-seconds of its requests, decode costed at a reference batch of 32), at least one device each: a weak
+strawman kept for comparison, since it under-sizes prefill-heavy and bursty tenants.
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ from shared.policies.snapshot import ClusterSnapshot
 
 @dataclass(frozen=True)
 class ContainerConfig(PolicyConfig):
-    """``resize``: size containers from offered work (offline); False keeps the tenants file's home devices."""
+    """``resize``: size containers from average offered work (``container-avgwork``); False (the default) keeps the
+    tenants' home devices."""
 
-    resize: bool = True
+    resize: bool = False
     min_devices: int = 1
 
 
@@ -52,3 +58,15 @@ class ContainerPolicy(Policy):
         if devs is None:
             devs = self.devices_of[tenant] = [d.id for d in snapshot.tenant_devices(tenant)]
         return least_loaded(devs, snapshot, self.config.max_queue_per_device)
+
+
+@dataclass(frozen=True)
+class ContainerAvgWorkConfig(ContainerConfig):
+    resize: bool = True
+
+
+@POLICIES.register("container-avgwork")
+class ContainerAvgWorkPolicy(ContainerPolicy):
+    """``container`` on containers sized by average offered work (the weak strawman; see the module docstring)."""
+
+    config_cls = ContainerAvgWorkConfig

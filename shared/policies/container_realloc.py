@@ -1,9 +1,10 @@
 """``container-realloc``: containers re-assigned between tenants every interval from recent load.
 
-Starts from the same work-proportional containers as ``container``. Every ``interval_s`` it re-apportions the
-devices in proportion to each tenant's recent offered work (measured arrival rate × mean lengths, costed on the
-device kind) and moves at most ``max_moves`` devices from the most over-provisioned tenants to the most
-under-provisioned ones. A moved device stops admitting, hands its queued requests to the donor's other devices,
+Starts from the same containers as ``container`` (the tenants' home devices: the planned partition). Every
+``interval_s`` it re-apportions the devices in proportion to each tenant's container scaled by its recent load
+relative to its average (measured arrival rate × mean lengths, costed on the device kind, over the same at
+placement), so at average load the target is the planned partition and a tenant in a burst is owed more, and moves
+at most ``max_moves`` devices from the most over-provisioned tenants to the most under-provisioned ones. A moved device stops admitting, hands its queued requests to the donor's other devices,
 finishes its running requests, and then pays the weight reload time (``weights / load_bandwidth + init_s``)
 before it serves the new tenant.
 """
@@ -40,9 +41,13 @@ class ContainerReallocPolicy(Policy):
         self.tick_s = self.config.interval_s  # type: ignore[attr-defined]
         self.devices_of: dict[str, list[str]] = {}
         self.moves = 0
+        self.planned: dict[str, int] = {}  # devices per tenant at placement
+        self.avg_work: dict[str, float] = {}  # average offered work per second at placement
 
     def initial_placement(self, snapshot: ClusterSnapshot, offered: dict[str, OfferedLoad]) -> Placement:
-        self.devices_of = container_placement(snapshot, offered, True)
+        self.devices_of = container_placement(snapshot, offered, False)
+        self.planned = {t: len(ds) for t, ds in self.devices_of.items()}
+        self.avg_work = {t: o.work_s / o.duration_s for t, o in offered.items() if o.duration_s > 0}
         return Placement({d: (t,) for t, ds in self.devices_of.items() for d in ds})
 
     def route(self, tenant: str, input_tokens: int, output_tokens: int, snapshot: ClusterSnapshot) -> str | None:
@@ -58,7 +63,9 @@ class ContainerReallocPolicy(Policy):
             if t.rate_rps <= 0:
                 work[t.name] = 0.0
                 continue
-            work[t.name] = t.rate_rps * cost_for(t.model, kind).request_work(int(t.mean_input), int(t.mean_output))
+            recent = t.rate_rps * cost_for(t.model, kind).request_work(int(t.mean_input), int(t.mean_output))
+            avg = self.avg_work.get(t.name, 0.0)
+            work[t.name] = self.planned.get(t.name, 1) * recent / avg if avg > 0 else recent
         if sum(work.values()) <= 0:
             return []
         target = device_counts(work, len(snapshot.devices), 1)

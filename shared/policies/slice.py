@@ -32,7 +32,7 @@ SHARE_EPS = 1e-6
 class SliceConfig(PolicyConfig):
     """Parameters (docs/policies.md)."""
 
-    resize: bool = True  # containers sized from offered work, as for ``container``
+    resize: bool = False  # True: containers sized from average offered work, as ``container-avgwork``
     behind_fraction: float = 0.5  # seek a lease when predicted TTFT or TPOT exceeds this fraction of the target
     tenant_behind_fraction: float = 0.5  # ... on at least this fraction of the tenant's container
     max_candidates: int = 16  # guest devices asked about per decision ("sequences" candidates)
@@ -327,7 +327,7 @@ class SlicePolicy(Policy):
                 free: int, whatif: Any) -> int:
         """How many MLP layers to move: the count (of half, three quarters or all free layers) with the shortest
         predicted iteration for the home's current batch."""
-        from shared.sim.offload import OffloadPart, offloaded_iteration_time
+        from shared.costmodel.offload import OffloadPart, offloaded_iteration_time
         from shared.costmodel import load_profile
         it, b, p, sampled = whatif.device_iteration(hcost, d)
         link = load_profile(d.kind).link(snapshot.link_kind(d.id, g.id))

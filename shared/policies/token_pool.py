@@ -34,7 +34,7 @@ class TokenPoolPolicy(Policy):
     config_cls = TokenPoolConfig
 
     def initial_placement(self, snapshot: ClusterSnapshot, offered: dict[str, OfferedLoad]) -> Placement:
-        homes = container_placement(snapshot, offered, True)
+        homes = container_placement(snapshot, offered, False)
         return Placement({d: (t,) for t, ds in homes.items() for d in ds}, sharing="switch",
                          dynamic_engines=True, quantum=self.config.quantum)  # type: ignore[attr-defined]
 

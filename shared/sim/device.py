@@ -7,8 +7,8 @@ from typing import Callable
 
 from shared.config import DeviceConfig
 from shared.costmodel.profiles import DeviceProfile
-from shared.sim.engine import Engine
-from shared.sim.lease import ACTIVE, DRAINING, SimLease
+from shared.sim.replica import SimReplica
+from shared.sim.sim_lease import ACTIVE, DRAINING, SimLease
 from shared.sim.memory import DeviceMemory
 
 MIN_GUEST_SHARE = 0.02  # a guest lane is paused, not stopped, while the device's own tenant prefills
@@ -28,22 +28,22 @@ class SimDevice:
                  schedule: Callable[["SimDevice", float, int], None]) -> None:
         self.id, self.kind, self.host, self.profile = cfg.id, cfg.kind, cfg.host, profile
         self.mem = DeviceMemory(cfg.memory_bytes, headroom_fraction)
-        self.engines: list[Engine] = []
+        self.engines: list[SimReplica] = []
         self.sharing = "exclusive"
         self.weights: dict[str, float] = {}
         self.used_s: dict[str, float] = {}  # device time per engine (weighted sharing)
-        self.cur: Engine | None = None
+        self.cur: SimReplica | None = None
         self.cur_start = self.cur_end = self.cur_dur = 0.0
         self.version = 0
         self.rr = 0
         self.busy_s = 0.0
         self.guest_busy_s = 0.0
         self.hosted: list[SimLease] = []  # leases whose segments run here
-        self.last_engine: Engine | None = None
+        self.last_engine: SimReplica | None = None
         self.quantum_used = 0
         self.quantum = 8
         self.schedule = schedule
-        self.switch_cost: Callable[[Engine], float] | None = None
+        self.switch_cost: Callable[[SimReplica], float] | None = None
         self.state = None  # the DeviceState mirrored for policies
         self.pending_switch_s = 0.0
         self.switches = 0
@@ -108,11 +108,13 @@ class SimDevice:
         self.sync_lanes(now, force=True)
 
     # ---------------------------------------------------------------- stepping
-    def _pick(self, ready: list[Engine]) -> Engine:
+    def _pick(self, ready: list[SimReplica]) -> SimReplica:
         if len(ready) == 1:
             return ready[0]
         if self.sharing == "weighted":
             return min(ready, key=lambda e: (self.used_s.get(e.eid, 0.0) / self.weights.get(e.tenant, 1.0), e.eid))
+        if self.sharing == "edf":
+            return min(ready, key=lambda e: (e.deadline(), e.eid))
         if self.sharing == "switch":
             last = self.last_engine
             if last in ready and self.quantum_used < self.quantum:
@@ -197,7 +199,7 @@ class SimDevice:
         self.version += 1
         self.schedule(self, self.cur_end, self.version)
 
-    def _yield(self, eng: Engine, n: int, dur: float, now: float) -> float:
+    def _yield(self, eng: SimReplica, n: int, dur: float, now: float) -> float:
         """Own step with guests present: yield ``f_dyn`` of the device to them. Nothing while the own tenant has
         prompts waiting or being prefilled (its TTFT comes first); otherwise as much as keeps its (longest)
         iteration, stretched, within ``yield_margin`` × its TPOT target, capped by the leases' shares."""
@@ -227,7 +229,7 @@ class SimDevice:
         eng.slowdown = s
         return dur * s
 
-    def finish(self, now: float) -> Engine:
+    def finish(self, now: float) -> SimReplica:
         """The current step ended at ``now``: apply it and free the device."""
         eng = self.cur
         assert eng is not None

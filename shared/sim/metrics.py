@@ -6,7 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shared.costmodel.sla import RequestTargets
 from shared.sim.request import DONE
+
+MIN_TENANT_REQUESTS = 100  # tenants with fewer requests at a point count only in the aggregate (DESIGN §9)
 
 if TYPE_CHECKING:
     from shared.sim.simulator import Simulator
@@ -60,20 +63,33 @@ def _group(rows: list, window: float, ttft_sla: np.ndarray | None = None) -> dic
             "ttft_ms": _pct(ttft), "tpot_ms": _pct(tpot)}
 
 
-def _violations(rows: list, ttft_s: float, tpot_s: float) -> tuple[int, dict[str, int]]:
-    """Violating requests, and why: not served, TTFT over target, TPOT over target (a request counts once)."""
+def _violations(rows: list, targets: RequestTargets) -> tuple[int, dict[str, int]]:
+    """Violating requests, and why: not served, TTFT over its target, TPOT over its target (a request counts
+    once); ``targets(input, output)`` gives a request's (TTFT, TPOT) targets in seconds."""
     v, why = 0, {"not_served": 0, "ttft": 0, "tpot": 0}
     for r in rows:
         if r.status != DONE:
             why["not_served"] += 1
-        elif r.first_token - r.arrival > ttft_s:
-            why["ttft"] += 1
-        elif r.output > 1 and (r.finish - r.first_token) / (r.output - 1) > tpot_s:
-            why["tpot"] += 1
         else:
-            continue
+            ttft_s, tpot_s = targets(r.input, r.output)
+            if r.first_token - r.arrival > ttft_s:
+                why["ttft"] += 1
+            elif r.output > 1 and (r.finish - r.first_token) / (r.output - 1) > tpot_s:
+                why["tpot"] += 1
+            else:
+                continue
         v += 1
     return v, why
+
+
+def worst_tenant(tenants: dict[str, dict[str, Any]], min_requests: int = MIN_TENANT_REQUESTS) -> tuple[str | None, float]:
+    """(name, violation rate) of the worst tenant among those with at least ``min_requests`` requests (DESIGN §9:
+    a point is sustainable only if each of them is within the bound too); (None, 0.0) when none has that many."""
+    counted = [(v["violation_rate"], name) for name, v in tenants.items() if v["requests"] >= min_requests]
+    if not counted:
+        return None, 0.0
+    rate, name = max(counted)
+    return name, rate
 
 
 def downsample_peak(timeline: list[tuple[float, int]], end: float, points: int) -> list[list[float]]:
@@ -102,18 +118,20 @@ def collect(sim: "Simulator", workload: "Workload", window: float) -> SimResult:
         by_tenant.setdefault(r.tenant, []).append(r)
     tenants, viol_total, why_total = {}, 0, {}
     for name, rows in sorted(by_tenant.items()):
-        sla = sim.snapshot.tenants[name].sla
+        ts = sim.snapshot.tenants[name]
+        sla = ts.sla
         g = _group(rows, window)
-        v, why = _violations(rows, sla.ttft_ms / 1000.0, sla.tpot_ms / 1000.0)
+        v, why = _violations(rows, RequestTargets(sla, ts.model, sim.cfg.max_batched_tokens))
         viol_total += v
         for k, n in why.items():
             why_total[k] = why_total.get(k, 0) + n
         g.update(violations=v, violation_rate=v / len(rows) if rows else 0.0, violations_by_cause=why,
-                 sla={"ttft_ms": sla.ttft_ms, "tpot_ms": sla.tpot_ms})
+                 sla={"ttft_ms": sla.ttft_ms, "tpot_ms": sla.tpot_ms, "slowdown": sla.slowdown})
         tenants[name] = g
     total = _group(sim.requests, window)
     n = len(sim.requests)
     total.update(violations=viol_total, violation_rate=viol_total / n if n else 0.0, violations_by_cause=why_total)
+    total["worst_tenant"], total["worst_tenant_violation_rate"] = worst_tenant(tenants)
     end = sim.now
     devices, timeline = {}, {}
     span = max(end, window)

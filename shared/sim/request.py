@@ -8,7 +8,7 @@ class SimRequest:
     """One request's progress: prompt tokens prefilled, output tokens generated, and its timestamps."""
 
     __slots__ = ("rid", "tenant", "arrival", "input", "output", "prefilled", "generated", "first_token", "finish",
-                 "kv_bytes", "status", "engine")
+                 "kv_bytes", "status", "engine", "late", "ttft_t", "tpot_t")
 
     def __init__(self, rid: str, tenant: str, arrival: float, input_tokens: int, output_tokens: int) -> None:
         self.rid, self.tenant, self.arrival = rid, tenant, arrival
@@ -20,6 +20,8 @@ class SimRequest:
         self.kv_bytes = 0
         self.status = WAITING
         self.engine = None
+        self.late = False  # counted as a violation already (only tracked when a run may stop early)
+        self.ttft_t = self.tpot_t = float("inf")  # its SLA targets (s), where the run needs them
 
     def ttft(self) -> float:
         return self.first_token - self.arrival

@@ -15,13 +15,15 @@ from typing import Callable
 
 from shared.config import ClusterConfig, TenantsConfig
 from shared.costmodel import cost_for, load_profile
+from shared.costmodel.sla import RequestTargets
 from shared.policies.actions import Trigger
 from shared.policies.base import OfferedLoad, Policy
 from shared.policies.rates import ArrivalStats
+from shared.policies.sizing import offered_loads
 from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
 from shared.sim.device import SimDevice
-from shared.sim.engine import Engine
-from shared.sim.leases import LeaseBook
+from shared.sim.replica import SimReplica
+from shared.sim.lease_book import LeaseBook
 from shared.sim.metrics import SimResult, collect
 from shared.sim.request import FAILED, REJECTED, SimRequest
 from shared.workload import Workload
@@ -79,6 +81,10 @@ class Simulator:
         self.whatif = None
         self._arrivals: dict[str, ArrivalStats] = {}
         self._max_queue = {t.name: t.max_queue for t in tenants.tenants}
+        self._budget: dict[str, float] | None = None  # early stop: violations a tenant may have (None: never stop)
+        self._violations: dict[str, int] = {}
+        self._targets: dict[str, RequestTargets] = {}
+        self.stopped_early = False
 
     # ---------------------------------------------------------------- ids and events
     def next_id(self, prefix: str) -> str:
@@ -96,7 +102,7 @@ class Simulator:
     def model_of(self, tenant: str):
         return self.snapshot.tenants[tenant].model
 
-    def engine_of(self, dev: SimDevice, tenant: str) -> Engine | None:
+    def engine_of(self, dev: SimDevice, tenant: str) -> SimReplica | None:
         """The engine that takes new requests of ``tenant`` on ``dev`` (its own, or a guest lane's)."""
         for e in dev.engines:
             if e.tenant == tenant and not e.draining:
@@ -107,14 +113,14 @@ class Simulator:
                     return e
         return None
 
-    def add_engine(self, dev: SimDevice, tenant: str, charge_weights: bool = True) -> Engine | None:
+    def add_engine(self, dev: SimDevice, tenant: str, charge_weights: bool = True) -> SimReplica | None:
         """Open an engine of ``tenant`` on ``dev`` (reserving its weights unless they are free)."""
         cost = cost_for(self.model_of(tenant), dev.kind)
         wb = cost.weight_bytes if charge_weights else 0
         if wb and not (dev.mem.make_room(wb, self.now) and dev.mem.try_alloc("weights", wb, self.now)):
             if not self._evict_idle_engine(dev, wb):
                 return None
-        eng = Engine(self.next_id("e"), tenant, dev, cost, self.cfg, self._on_first_token, self._on_finish, wb)
+        eng = SimReplica(self.next_id("e"), tenant, dev, cost, self.cfg, self._on_first_token, self._on_finish, wb)
         eng.tpot_s = self.snapshot.tenants[tenant].sla.tpot_ms / 1000.0
         eng.ttft_s = self.snapshot.tenants[tenant].sla.ttft_ms / 1000.0
         dev.engines.append(eng)
@@ -135,7 +141,7 @@ class Simulator:
                     return True
         return False
 
-    def remove_engine(self, dev: SimDevice, eng: Engine) -> None:
+    def remove_engine(self, dev: SimDevice, eng: SimReplica) -> None:
         dev.engines.remove(eng)
         if eng.weights_bytes:
             dev.mem.release("weights", eng.weights_bytes, self.now)
@@ -180,33 +186,52 @@ class Simulator:
         ts = self.snapshot.tenants[req.tenant]
         ts.queued -= 1
         ts.running += 1
+        if self._budget is not None and now - req.arrival > req.ttft_t:
+            self._late(req)
 
     def _on_finish(self, req: SimRequest, now: float) -> None:
         self.snapshot.tenants[req.tenant].running -= 1
+        if self._budget is not None and not req.late and req.output > 1 and \
+                (now - req.first_token) / (req.output - 1) > req.tpot_t:
+            self._late(req)
+
+    # ---------------------------------------------------------------- early stop
+    def stop_above(self, workload: Workload, bound: float, min_requests: int) -> None:
+        """Stop the run as soon as it is known to violate more than ``bound``: in aggregate, or for a tenant with
+        at least ``min_requests`` requests in ``workload`` (DESIGN §9's per-tenant rule). The result then carries
+        ``stopped_early`` and violation counts that are lower bounds."""
+        n: dict[str, int] = {}
+        for r in workload.requests:
+            n[r.tenant] = n.get(r.tenant, 0) + 1
+        self._budget = {t: bound * k for t, k in n.items() if k >= min_requests}
+        self._budget[""] = bound * len(workload.requests)
+        self._violations = {t: 0 for t in [*n, ""]}
+        self._set_targets()
+
+    def _set_targets(self) -> None:
+        """Price every arriving request's SLA targets (for an early stop, or a deadline-ordered placement)."""
+        for t in self.tenants_cfg.tenants:
+            self._targets[t.name] = RequestTargets(t.sla, t.model.config, self.cfg.max_batched_tokens)
+
+    def _late(self, req: SimRequest) -> None:
+        req.late = True
+        v = self._violations
+        v[req.tenant] += 1
+        v[""] += 1
+        b = self._budget
+        if v[""] > b[""] or v[req.tenant] > b.get(req.tenant, math.inf):  # type: ignore[index, union-attr]
+            self.stopped_early = True
 
     # ---------------------------------------------------------------- setup
     def offered(self, workload: Workload) -> dict[str, OfferedLoad]:
         """Average offered load per tenant, costed on the kind of the cluster's first device."""
-        kind = self.cluster.devices[0].kind
-        acc: dict[str, list] = {}
-        for r in workload.requests:
-            a = acc.setdefault(r.tenant, [0, 0, 0, 0.0])
-            a[0] += 1
-            a[1] += r.input_tokens
-            a[2] += r.output_tokens
-        dur = workload.duration_s or (workload.requests[-1].arrival_s if workload.requests else 0.0)
-        out = {}
-        for t, (n, inp, outp, _) in acc.items():
-            if t not in self.snapshot.tenants:
-                continue
-            cost = cost_for(self.model_of(t), kind)
-            mi, mo = inp / n, outp / n
-            out[t] = OfferedLoad(t, n, dur, mi, mo, n * cost.request_work(int(mi), int(mo)))
-        return out
+        return offered_loads(workload, self.cluster.devices[0].kind)
 
     def _place(self, workload: Workload) -> None:
         placement = self.policy.initial_placement(self.snapshot, self.offered(workload))
         self.dynamic, self.weights_free = placement.dynamic_engines, placement.weights_free
+        if placement.sharing == "edf" and not self._targets:
+            self._set_targets()
         for did, tenants in placement.assign.items():
             dev = self.devices[did]
             dev.sharing = placement.sharing
@@ -222,8 +247,8 @@ class Simulator:
                 dev.switch_cost = self._switch_cost_fn(dev)
             self.refresh(dev)
 
-    def _switch_cost_fn(self, dev: SimDevice) -> Callable[[Engine], float]:
-        def cost(eng: Engine) -> float:
+    def _switch_cost_fn(self, dev: SimDevice) -> Callable[[SimReplica], float]:
+        def cost(eng: SimReplica) -> float:
             fresh = eng.eid in self._fresh
             self._fresh.discard(eng.eid)
             return self.policy.switch_cost_s(dev.kind, eng.tenant, resident=not fresh)
@@ -232,6 +257,8 @@ class Simulator:
     # ---------------------------------------------------------------- events
     def _on_arrival(self, wr) -> None:
         req = SimRequest(wr.request_id, wr.tenant, wr.arrival_s, wr.input_tokens, wr.output_tokens)
+        if self._targets:
+            req.ttft_t, req.tpot_t = self._targets[req.tenant](req.input, req.output)
         self.requests.append(req)
         ts = self.snapshot.tenants.get(req.tenant)
         if ts is None:
@@ -282,6 +309,8 @@ class Simulator:
         req.status = status
         ts.queued -= 1
         self.rejected += 1
+        if self._budget is not None and not req.late:
+            self._late(req)
 
     def _on_step(self, dev: SimDevice) -> None:
         eng = dev.finish(self.now)
@@ -323,7 +352,7 @@ class Simulator:
         heap = self._heap
         i = 0
         report_every = max(1, n // 200)
-        while True:
+        while not self.stopped_early:
             if heap and (i >= n or heap[0][0] <= reqs[i].arrival_s):
                 t, _, kind, obj, ver = heapq.heappop(heap)
                 if t > stop:
@@ -357,4 +386,7 @@ class Simulator:
         if progress is not None:
             progress(1.0)
         window = workload.duration_s or last_arrival or 1.0
-        return collect(self, workload, window)
+        result = collect(self, workload, window)
+        if self.stopped_early:  # its figures cover the requests that had arrived; the stop proves a violation
+            result.extra["stopped_early"] = True
+        return result

@@ -20,7 +20,7 @@ from shared.costmodel.model_cost import ModelCost
 from shared.model.graph import parse_segment
 from shared.policies.actions import GrantLease
 from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
-from shared.sim.offload import OffloadPart, micro_batch_parts, offloaded_iteration_time
+from shared.costmodel.offload import OffloadPart, micro_batch_parts, offloaded_iteration_time
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class WhatIf:
 
     def micro_batch_parts(self, cost: ModelCost, d: DeviceState) -> tuple[int, float, float, float]:
         """The home-side terms of an offloaded iteration of the device's next batch (see
-        :func:`shared.sim.offload.micro_batch_parts`), remembered like :meth:`device_iteration`."""
+        :func:`shared.costmodel.offload.micro_batch_parts`), remembered like :meth:`device_iteration`."""
         def compute():
             _, b, p, sampled = self.device_iteration(cost, d)
             return micro_batch_parts(cost, b, d.decode_kv_tokens, p, p * (p + 1) // 2, p, sampled,

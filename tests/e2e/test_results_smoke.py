@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from services.cli.main import main
-from services.results.render import BEGIN, END
+from bench.results.render import BEGIN, END
 
 
 @pytest.fixture()
@@ -89,7 +89,7 @@ async def test_held_streams_survive_trimming_and_give_the_timeline(redis, redis_
     from shared.codec import encode
     from shared.messages import LeaseGranted, StepReport, WorkerMsg, EventsMsg, events_stream, worker_stream
     from shared.streams import FIELD_MSG, FIELD_TYPE, safe_trim
-    from services.results.timeline import build_timeline, hold_streams, read_stream
+    from bench.results.timeline import build_timeline, hold_streams, read_stream
 
     ev, wk = events_stream(prefix), worker_stream(prefix, "d1")
     await redis.xgroup_create(ev, "gmg", id="$", mkstream=True)

@@ -10,7 +10,7 @@ import pytest
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore, Reservation
 from shared.gmg.follower import GMGFollower, read_mirror
-from shared.gmg.leases import Lease, LeaseStore
+from shared.gmg.lease_store import Lease, LeaseStore
 from shared.messages import RequestStarted, StepReport, WorkerHeartbeat
 from shared.redis_util import command_client
 from services.gmg.core import GMGCore

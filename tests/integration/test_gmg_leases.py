@@ -6,7 +6,7 @@ import pytest
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.gmg.follower import read_mirror
-from shared.gmg.leases import Lease, LeaseStore
+from shared.gmg.lease_store import Lease, LeaseStore
 
 pytestmark = pytest.mark.integration
 

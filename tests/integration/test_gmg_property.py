@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore, Refused, Reservation
-from shared.gmg.leases import Lease, LeaseStore
+from shared.gmg.lease_store import Lease, LeaseStore
 from shared.redis_util import command_client
 
 pytestmark = pytest.mark.integration

@@ -61,7 +61,7 @@ async def test_concurrent_mixed_committers_account_for_every_byte(redis_url, red
     while they run. Never over the limit; every call returns an epoch or a refusal; the final reservations are
     exactly the granted minus the released."""
     from shared.gmg import Resize
-    from shared.gmg.leases import Lease, LeaseStore
+    from shared.gmg.lease_store import Lease, LeaseStore
 
     store = GMGStore(redis, prefix)
     await store.register_cluster(CLUSTER, TENANTS)

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from services.worker.leases import LeaseAgent, LeaseOptions
+from services.worker.lease_agent import LeaseAgent, LeaseOptions
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore, Reservation
-from shared.gmg.leases import Lease, LeaseStore
+from shared.gmg.lease_store import Lease, LeaseStore
 from shared.messages import LeaseGranted, LeaseRevoked
 from shared.model.engine import Engine
 from shared.model.loader import build_model

@@ -14,7 +14,7 @@ from services.cli.main import main
 from services.gmg.core import GMGCore
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore, Reservation
-from shared.gmg.leases import Lease, LeaseStore
+from shared.gmg.lease_store import Lease, LeaseStore
 from shared.messages import InferenceRequest, RequestsMsg, WorkerHeartbeat, dead_stream, requests_stream
 from shared.redis_util import blocking_client
 from shared.requests_state import req_key, tenant_stats_key

@@ -1,15 +1,15 @@
-"""The live scheduler's lease commits (services/scheduler/live.py LeaseManager) against a real Redis: one GMG
+"""The live scheduler's lease commits (services/scheduler/policy_bridge.py LeaseManager) against a real Redis: one GMG
 commit stages and leases, grants of one decision commit concurrently and are announced to both workers, and a
 stale view of what is resident falls back to staging first."""
 from __future__ import annotations
 
 import pytest
 
-from services.scheduler.live import LeaseManager
+from services.scheduler.policy_bridge import LeaseManager
 from shared.codec import decode
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore, Reservation
-from shared.gmg.leases import LeaseStore
+from shared.gmg.lease_store import LeaseStore
 from shared.messages import LeaseGranted, WorkerMsg, worker_stream
 from shared.policies import GrantLease, RevokeLease
 from shared.streams import StreamProducer, entry_payload
@@ -77,7 +77,7 @@ async def test_cached_weights_of_ended_leases_are_evicted_to_make_room(redis, pr
     """Weights staged for leases that ended stay cached on the guest (no lease pins them); a grant that needs the
     memory evicts them, least recently leased first, never the device's home weights nor the weights of an
     active lease. The snapshot counts them as evictable, as the simulator does."""
-    from shared.gmg.leases import unpinned_entries
+    from shared.gmg.lease_store import unpinned_entries
 
     store = GMGStore(redis, prefix)
     await store.register_cluster(CLUSTER, TENANTS)

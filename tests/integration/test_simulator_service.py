@@ -16,7 +16,7 @@ from shared.messages import (SegmentStat, StepReport, WhatIfCandidate, events_st
 from shared.streams import StreamProducer
 from services.simulator.client import WhatIfClient, WhatIfTimeout
 from services.simulator.service import SimulatorService
-from services.simulator.synthetic import write_synthetic_state
+from bench.synthetic_state import write_synthetic_state
 
 pytestmark = pytest.mark.integration
 

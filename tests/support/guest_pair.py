@@ -18,7 +18,7 @@ import yaml
 from shared.codec import decode
 from shared.config import parse_cluster, parse_tenants
 from shared.gmg import GMGStore
-from shared.gmg.leases import Lease, LeaseStore
+from shared.gmg.lease_store import Lease, LeaseStore
 from shared.messages import (AssignRequest, InferenceRequest, LeaseGranted, LeaseRevoked, TokenChunk, TokensMsg,
                              tokens_stream, worker_stream)
 from shared.model.graph import ModelGraph

@@ -9,7 +9,7 @@ import pytest
 
 from services.cli.main import main as cli_main
 from services.worker.__main__ import engine_knobs
-from services.worker.leases import LeaseOptions
+from services.worker.lease_agent import LeaseOptions
 from shared.config import DEFAULT_POLICY, ConfigError, Settings, env_number
 from shared.policies import POLICIES
 

@@ -10,11 +10,22 @@ from shared.costmodel.profiles import PROFILE_DIR
 
 
 @pytest.mark.parametrize("kind", ["a100-80gb", "h100-80gb", "h200"])
-def test_gpu_profiles_are_datasheet_uncalibrated(kind):
+def test_gpu_profiles_say_where_they_come_from(kind):
     p = load_profile(kind)
     assert p.kind == kind
-    assert p.source == "datasheet, uncalibrated"
-    assert not p.calibrated
+    raw = _raw(kind)
+    prov = raw["provenance"]
+    assert "7d47513" in prov["data"] and "MIT" in prov["data"]
+    assert "first principles" in prov["not_fitted"] and "attention" in prov["not_fitted"]
+    assert prov["command"].startswith("slicesched bench costmodel") and prov["date"]
+    if kind == "h200":  # no H200 measurements: derived, and labelled so
+        assert "derived" in p.source and not p.calibrated and "not measured" in prov["derived"]
+    else:
+        assert p.source.startswith("fitted to measured") and p.calibrated
+        assert set(prov["mape_after_fit"]) >= {"gemm", "norm", "rotary", "activation", "residual", "embedding",
+                                               "nvlink"}
+    # attention keeps the first-principles rows: datasheet peaks x the estimated efficiencies
+    assert set(p.compute_eff["attention"]) == {0.3, 0.4, 0.5, 0.55, 0.6}
     assert p.peak_flops > 1e14 and p.mem_bandwidth > 1e12 and p.memory_bytes > 70e9
     for link in ("nvlink", "pcie", "nccl", "cuda_ipc", "shm", "tcp"):
         assert p.link(link).bandwidth > 0
@@ -47,7 +58,12 @@ def _raw(kind="h100-80gb"):
     (lambda d: d.pop("source"), "source"),
     (lambda d: d["links"].update(warp={"bandwidth": 1, "latency_s": 0}), "links.warp"),
     (lambda d: d["efficiency"]["compute"].update(gemm=[0.5]), "efficiency.compute.gemm"),
-    (lambda d: d["efficiency"]["memory"]["attention"].__setitem__(0, 1.5), "efficiency.memory.attention"),
+    (lambda d: d["efficiency"]["memory"]["attention"].__setitem__(0, 1.6), "efficiency.memory.attention"),
+    (lambda d: d["efficiency"]["compute"]["attention"].__setitem__(0, 1.1), "efficiency.compute.attention"),
+    (lambda d: d["efficiency"]["compute"].update(warp=d["efficiency"]["compute"]["gemm"]), "efficiency.compute.warp"),
+    (lambda d: d["efficiency"]["memory"].pop("rope"), "efficiency.memory.rope"),
+    (lambda d: d["efficiency"]["memory"].update(rope=[0.5]), "efficiency.memory.rope"),
+    (lambda d: d["launch_overhead_by_class"].update(warp=1e-6), "launch_overhead_by_class.warp"),
 ])
 def test_bad_profile_names_field(tmp_path, mutate, field):
     d = _raw()

@@ -22,7 +22,7 @@ def test_decode_gemm_is_memory_bound_and_prefill_compute_bound():
     assert op.flops(2048) / rc > op.bytes_moved(2048) / rm
     # batch-1 time ≈ weight bytes / effective bandwidth (+ launch)
     rm1 = p.rates("gemm", 1)[1]
-    assert op_time(p, op, 1) == pytest.approx(op.weight_bytes / rm1 + p.launch_overhead_s, rel=0.01)
+    assert op_time(p, op, 1) == pytest.approx(op.weight_bytes / rm1 + p.launch_s("gemm", op.kind), rel=0.01)
 
 
 def test_isolated_latency_plausible(c7):

@@ -82,7 +82,7 @@ def test_every_copied_path_exists_and_is_not_ignored():
 def _third_party_imports() -> set[str]:
     """Top-level third-party modules imported by the packages, except optional ones (inside a try whose
     handler catches ImportError)."""
-    local = {"services", "shared", "loadgen"}
+    local = {"services", "shared", "loadgen", "bench"}
     found = set()
     for root in local:
         for path in (REPO / root).rglob("*.py"):

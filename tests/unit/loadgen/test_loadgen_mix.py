@@ -68,3 +68,46 @@ def test_build_requests_ids_order_and_determinism():
     assert len({r.request_id for r in reqs}) == len(reqs)
     with pytest.raises(ValueError):
         build_requests(plans, 0.0, 30.0, seed=4)
+
+
+def _bursty_trace(span: float = 200.0):
+    """Arrivals only in [0, 20) of each 100 s: one burst per period."""
+    t = np.concatenate([np.linspace(0, 19.9, 200) + k * 100 for k in range(int(span // 100))])
+    n = t.size
+    return make_trace("b", "<memory>", t, np.full(n, 50), np.full(n, 10), period_s=span)
+
+
+def test_superpose_adds_independent_copies_and_keeps_burst_length():
+    """Scale s as more users: ⌈s⌉ copies at independent offsets, the last thinned; bursts keep their length
+    (compress makes them s times shorter and s times denser)."""
+    from loadgen.mix import superposed_arrivals
+    tr = _bursty_trace()
+    plan = TenantPlan("a", tr, tr.rate_rps, 0.0, 10_000)
+    base = superposed_arrivals(plan, 1.0, 200.0, seed=5, index=0)[0]
+    assert base.size == 400
+    s3 = superposed_arrivals(plan, 3.0, 200.0, seed=5, index=0)[0]
+    assert s3.size == 1200 and np.all(np.diff(s3) >= 0)
+    assert np.isin(base, s3).all()  # the first copy is the tenant's own arrivals
+    s25 = superposed_arrivals(plan, 2.5, 200.0, seed=5, index=0)[0]
+    assert s25.size == pytest.approx(1000, rel=0.06)
+    # within any 1-s window the densest second holds at most s copies' worth (bursts overlap, not compress)
+    per_s = np.bincount(s3.astype(int), minlength=200)
+    assert per_s.max() <= 3 * 11
+    comp = tenant_arrivals(plan, 3.0, 200.0, np.random.default_rng(0))[0]
+    assert np.bincount(comp.astype(int), minlength=200).max() >= 25  # compressed: 3x denser bursts
+    again = superposed_arrivals(plan, 3.0, 200.0, seed=5, index=0)[0]
+    assert np.array_equal(again, s3)  # deterministic for a seed
+    other = superposed_arrivals(plan, 3.0, 200.0, seed=6, index=0)[0]
+    assert not np.array_equal(other, s3)
+
+
+def test_build_requests_scale_modes():
+    tr = poisson_trace(5.0, 100.0)
+    plans = [TenantPlan("a", tr, 5.0, 0.0, 10_000), TenantPlan("b", tr, 2.0, 30.0, 10_000)]
+    sup = build_requests(plans, 2.0, 100.0, 1, "superpose")
+    comp = build_requests(plans, 2.0, 100.0, 1, "compress")
+    assert len(sup) == pytest.approx(len(comp), rel=0.1)
+    assert len(sup) == pytest.approx(2 * len(build_requests(plans, 1.0, 100.0, 1)), rel=0.05)
+    assert build_requests(plans, 1.0, 100.0, 1, "superpose") == build_requests(plans, 1.0, 100.0, 1, "compress")
+    with pytest.raises(ValueError, match="scale_mode"):
+        build_requests(plans, 2.0, 100.0, 1, "stretch")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from loadgen.report import RequestRecord, SlaTarget
-from services.cli.bench_overload import Seen, _valid_retry_after, arrivals, phase_summary, render_table
+from bench.bench_overload import Seen, _valid_retry_after, arrivals, phase_summary, render_table
 
 SLA = SlaTarget(2.0, 0.1)
 

@@ -12,7 +12,7 @@ from shared.registry import UnknownNameError
 from shared.sim import SimConfig, Simulator
 from shared.sim.synthetic import bursty_workload, small_cluster, small_tenants
 
-EXPECTED = {"container", "container-realloc", "muxserve", "token-pool", "slice", "pooled-bound"}
+EXPECTED = {"container", "container-avgwork", "container-realloc", "muxserve", "token-pool", "slice", "pooled"}
 
 
 def test_registry_has_every_policy():
@@ -65,7 +65,7 @@ def test_container_sizing_is_proportional_with_minimum_one():
 
 def test_container_routes_to_least_loaded_device_of_its_container(small):
     c, t, w = small
-    sim = Simulator(c, t, make_policy("container"), SimConfig(), random.Random(0))
+    sim = Simulator(c, t, make_policy("container-avgwork"), SimConfig(), random.Random(0))
     sim.run(w)
     pol = sim.policy
     assert sorted(d for ds in pol.devices_of.values() for d in ds) == sorted(d.id for d in c.devices)
@@ -99,7 +99,8 @@ def test_slice_without_segment_leases_grants_only_sequences(small):
                         mean_output=40)
     modes = {}
     for segments in (True, False):
-        sim = Simulator(c, t, make_policy("slice", {"segments": segments}), SimConfig(), random.Random(0))
+        sim = Simulator(c, t, make_policy("slice", {"segments": segments, "resize": True}), SimConfig(),
+                        random.Random(0))
         sim.run(w)
         modes[segments] = {lz.mode for lz in [*sim.leases.leases.values(), *sim.leases.finished]}
     assert "segments" in modes[True]  # the workload does get segment leases when they are allowed
@@ -112,7 +113,7 @@ def test_slice_opens_no_sequences_lane_inside_its_own_container(small):
     c, t, _ = small
     w = bursty_workload(t, [15.0, 1.0, 0.3, 0.3], 40.0, random.Random(4), burst_factor=10.0, mean_input=2000,
                         mean_output=40)
-    pol = make_policy("slice")
+    pol = make_policy("slice", {"resize": True})  # containers sized by average work: t0 gets several devices
     sim = Simulator(c, t, pol, SimConfig(), random.Random(0))
     sim.run(w)
     lanes = [lz for lz in [*sim.leases.leases.values(), *sim.leases.finished] if lz.mode == "sequences"]
@@ -177,28 +178,32 @@ def test_slice_seeks_for_a_tenant_only_when_enough_of_its_container_is_behind(be
 
 
 @pytest.mark.parametrize("stay,all_home", [(0.5, True), (0.0, False)])
-def test_pooled_bound_serves_a_light_load_at_home_as_container_does(stay, all_home):
+def test_pooled_serves_a_light_load_at_home_as_container_does(stay, all_home):
     """A bound must not lose to `container` where containers suffice: under light load every request stays on its
     tenant's own devices (without the rule the bound spreads them and slows decoding where tenants mix)."""
     c = small_cluster(6, 3)
     t = small_tenants(c, ["llama-7b", "llama-7b", "llama-7b", "llama-13b"])
     w = bursty_workload(t, [1.0, 0.5, 0.5, 0.3], 20.0, random.Random(2), burst_factor=1.0, mean_input=300)
-    sim = Simulator(c, t, make_policy("pooled-bound", {"stay_fraction": stay}), SimConfig(), random.Random(0))
+    sim = Simulator(c, t, make_policy("pooled", {"stay_fraction": stay}), SimConfig(), random.Random(0))
     sim.run(w)
     home = [r.engine.device.id for r in sim.requests if sim.snapshot.devices[r.engine.device.id].home_tenant == r.tenant]
     assert (len(home) == len(sim.requests)) is all_home
 
 
-def test_policy_params_merge_and_containers():
+def test_policy_params_merge_and_containers(small):
     from shared.policies import policy_params
     assert policy_params("slice", {"segments": False, "lease_s": 2.0}, {"lease_s": 3.0}) == \
         {"segments": False, "lease_s": 3.0}
-    assert policy_params("container", None, None, "homes") == {"resize": False}
-    assert policy_params("container", None, {"resize": True}, "homes") == {"resize": True}
-    assert policy_params("muxserve", None, None, "homes") == {}  # no containers to size
-    assert policy_params("slice", None, None, "sized") == {}
-    with pytest.raises(ValueError, match="containers must be one of"):
-        policy_params("slice", None, None, "all")
+    c, t, w = small
+    homes = {}
+    for name in ("container", "container-avgwork", "slice", "token-pool", "pooled", "container-realloc"):
+        sim = Simulator(c, t, make_policy(name), SimConfig(), random.Random(0))
+        sim._place(w)
+        homes[name] = {d.id: sorted(e.tenant for e in d.engines) for d in sim.devices.values()}
+    # every policy but container-avgwork starts from the tenants' home devices (one each, two devices idle)
+    for name in ("container", "slice", "token-pool", "pooled", "container-realloc"):
+        assert homes[name] == {"d0": ["t0"], "d1": ["t1"], "d2": ["t2"], "d3": ["t3"], "d4": [], "d5": []}, name
+    assert all(homes["container-avgwork"].values())  # sized by average work over every device
 
 
 def test_slice_share_for_a_guest_passes_the_what_ifs_own_check_on_that_guest():

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.accuracy_mesh import MeshMeasurement, SegmentBucket
-from services.cli.accuracy_sim import replay
-from services.cli.bench_accuracy import (calibration_requests, correction_factors, drift, evaluate, fit,
+from bench.accuracy_mesh import MeshMeasurement, SegmentBucket
+from bench.accuracy_sim import replay
+from bench.bench_accuracy import (calibration_requests, correction_factors, drift, evaluate, fit,
                                          loop_overhead, match_requests, measured_arrivals, measured_segments,
                                          noise_floor, path_latency, solo_groups)
 from services.cli.main import main
@@ -229,7 +229,7 @@ def test_from_raw_takes_the_phase_lengths_the_measurements_were_taken_with(tmp_p
 
 
 def test_trace_calibration_is_shaped_like_the_workload_but_never_its_requests():
-    from services.cli.bench_accuracy import measured_arrivals, trace_calibration_requests
+    from bench.bench_accuracy import measured_arrivals, trace_calibration_requests
     wl = "configs/workloads/tiny-bursty.yaml"
     _, measured = measured_arrivals(wl, 30.0)
     cal = trace_calibration_requests(wl, 20.0)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli.bench_cpu import per_process, totals
+from bench.bench_cpu import per_process, totals
 from services.cli.main import main
 
 

@@ -1,9 +1,9 @@
-"""The machine-steadiness probe of ``slicesched bench accuracy`` (services/cli/machine_noise.py)."""
+"""The machine-steadiness probe of ``slicesched bench accuracy`` (bench/machine_noise.py)."""
 from __future__ import annotations
 
 import pytest
 
-from services.cli.machine_noise import steadiness, window_stats
+from bench.machine_noise import steadiness, window_stats
 
 
 def test_window_stats_of_known_durations():

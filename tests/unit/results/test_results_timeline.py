@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from shared.messages import LeaseGranted, LeaseRevoked, RequestStarted, SegmentStat, StepReport, WorkerHeartbeat
-from services.results.timeline import TimelineRecorder, _entry_ts, build_timeline
+from bench.results.timeline import TimelineRecorder, _entry_ts, build_timeline
 
 T0 = 1_700_000_000.0
 

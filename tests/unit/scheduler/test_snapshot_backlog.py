@@ -7,7 +7,7 @@ import math
 import pytest
 
 from services.scheduler.core import DeviceView, SchedulerCore
-from services.scheduler.live import SnapshotBuilder
+from services.scheduler.policy_bridge import SnapshotBuilder
 from services.scheduler.policy import load_live_policy
 from shared.config import ConfigError, REPO_CONFIGS, load_cluster, load_tenants, parse_cluster
 

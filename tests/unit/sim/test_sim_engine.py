@@ -24,7 +24,7 @@ def _run(c, t, w, policy="container", **cfg):
     return sim, sim.run(w)
 
 
-@pytest.mark.parametrize("policy", ["container", "pooled-bound"])
+@pytest.mark.parametrize("policy", ["container", "pooled"])
 def test_closed_form_equals_step_by_step(policy):
     c, t, w = _setup(seed=3, duration=60.0, rates=(6.0, 2.0, 1.0))
     fast, rf = _run(c, t, w, policy)
@@ -61,19 +61,21 @@ def test_closed_form_interrupted_by_arrival_mid_run():
 
 
 # Regenerate only when the cost model, batching or workload generator changes on purpose (and say why).
-GOLDEN = {"requests": 1680, "events": 6280, "tokens_per_s": 2212.744444, "violation_rate": 0.005952381,
-          "ttft_p99": 121.19776, "tpot_p50": 8.025653}
+# recorded with the GPU profiles fitted to measured timings (2026-12-03; the datasheet profiles gave 6280 events,
+# 2212.744444 tok/s, 0.005952381, TTFT p99 121.19776 ms, TPOT p50 8.025653 ms)
+GOLDEN = {"requests": 1680, "events": 6188, "tokens_per_s": 2203.766667, "violation_rate": 0.00297619,
+          "ttft_p99": 135.187394, "tpot_p50": 8.870525}
 
 
 def test_golden_fixed_seed_run():
     c, t, w = _setup(seed=11, duration=90.0, rates=(14.0, 3.0, 2.5))
-    sim, r = _run(c, t, w)
+    sim, r = _run(c, t, w, "container-avgwork")  # containers sized by average work, as this golden was taken
     got = {"requests": r.total["requests"], "events": r.events, "tokens_per_s": round(r.tokens_per_s, 6),
            "violation_rate": round(r.violation_rate, 9), "ttft_p99": round(r.total["ttft_ms"]["p99"], 6),
            "tpot_p50": round(r.total["tpot_ms"]["p50"], 6)}
     assert got == GOLDEN
     # and again: same seed, same numbers
-    _, r2 = _run(c, t, w)
+    _, r2 = _run(c, t, w, "container-avgwork")
     assert r2.to_dict() == r.to_dict()
 
 
@@ -88,7 +90,7 @@ def test_every_request_accounted_and_tokens_match():
         assert q.arrival <= q.first_token <= q.finish
 
 
-@pytest.mark.parametrize("policy", ["container", "pooled-bound"])
+@pytest.mark.parametrize("policy", ["container", "pooled"])
 def test_memory_timeline_never_exceeds_capacity_minus_headroom(policy):
     c = small_cluster(4, 2, memory_gb=40)  # 7B weights leave ~24 GB of KV, 13B ~12 GB: KV fills up
     t = small_tenants(c, ["llama-7b", "llama-7b", "llama-13b"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from shared.config import parse_cluster, parse_tenants
-from shared.gmg.snapshot import DeviceState, GMGSnapshot, RunningRequest
+from shared.gmg.snapshot import DeviceRecord, GMGSnapshot, RunningRequest
 from shared.messages import SegmentStat, StepReport, WhatIfCandidate, WhatIfQuery
 from shared.model.config import PRESETS
 from services.simulator.core import MAX_CANDIDATES, SimulatorCore
@@ -21,8 +21,8 @@ W7B = PRESETS["llama-7b"].weight_bytes()
 LIMIT = int(80 * GIB * 0.95)
 
 
-def _dev(did: str, tenant: str, reserved: int, queued: int = 0) -> DeviceState:
-    return DeviceState(id=did, kind="h100-80gb", backend="emulated", host="n0", capacity=80 * GIB, limit=LIMIT,
+def _dev(did: str, tenant: str, reserved: int, queued: int = 0) -> DeviceRecord:
+    return DeviceRecord(id=did, kind="h100-80gb", backend="emulated", host="n0", capacity=80 * GIB, limit=LIMIT,
                        reserved=reserved, used=reserved, state="ready", home_tenant=tenant, queued=queued)
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from services.cli.bench_transport import parse_size
+from bench.bench_transport import parse_size
 from services.cli.main import main
 from shared.config import ConfigError
 

@@ -5,7 +5,7 @@ import pytest
 
 from shared.costmodel import cost_for, load_profile
 from shared.model.config import PRESETS
-from shared.sim.offload import OffloadPart, explicit_schedule, offloaded_iteration_time
+from shared.costmodel.offload import OffloadPart, explicit_schedule, offloaded_iteration_time
 
 C7 = cost_for(PRESETS["llama-7b"], "h100-80gb")
 PROFILE = load_profile("h100-80gb")

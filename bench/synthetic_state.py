@@ -1,6 +1,7 @@
 """Synthetic live state for a modelled cluster (what-if benchmark, tests): every home device ready, with its
 tenant's weights and a batch of running requests reserved in the GMG. Written through the GMG store and the GMG
-service's core, exactly as live workers' events would be; no workers needed."""
+service's core, exactly as live workers' events would be; no workers needed. It lives in ``bench`` (which may import
+any service) because the simulator service may not import the GMG service's core."""
 from __future__ import annotations
 
 import random
@@ -9,7 +10,7 @@ import uuid
 
 from shared.config import ClusterConfig, TenantsConfig
 from shared.gmg import GMGStore, Reservation
-from shared.gmg.leases import LeaseStore
+from shared.gmg.lease_store import LeaseStore
 from shared.messages import InferenceRequest, RequestStarted, WorkerHeartbeat
 from services.gmg.core import GMGCore
 

@@ -8,13 +8,13 @@ from shared.costmodel import cost_for, transfer_time
 from shared.model.graph import parse_segment
 from shared.policies.actions import ExtendLease, GrantLease, Reassign, RevokeLease, Trigger
 from shared.policies.snapshot import LeaseState
-from shared.sim.engine import Engine
-from shared.sim.lease import ACTIVE, DRAINING, ENDED, REVOKED, STAGING, SimLease
-from shared.sim.offload import OffloadPart
+from shared.sim.replica import SimReplica
+from shared.sim.sim_lease import ACTIVE, DRAINING, ENDED, REVOKED, STAGING, SimLease
+from shared.costmodel.offload import OffloadPart
 
 if TYPE_CHECKING:
     from shared.sim.device import SimDevice
-    from shared.sim.engine import Engine
+    from shared.sim.replica import SimReplica
     from shared.sim.simulator import Simulator
 
 STAGE_DONE, LEASE_END, RELOAD_DONE = 2, 3, 4
@@ -149,7 +149,7 @@ class LeaseBook:
         if lease.mode == "sequences":
             lane = lease.lane = guest.make_lane(lease)
             src = lease.engine
-            lane.engines.append(Engine(sim.next_id("e"), src.tenant, lane, src.cost if src.device.kind == guest.kind
+            lane.engines.append(SimReplica(sim.next_id("e"), src.tenant, lane, src.cost if src.device.kind == guest.kind
                                        else cost_for(sim.model_of(src.tenant), guest.kind), sim.cfg,
                                        sim._on_first_token, sim._on_finish, 0))
             lane.engines[0].tpot_s, lane.engines[0].ttft_s = src.tpot_s, src.ttft_s
@@ -271,7 +271,7 @@ class LeaseBook:
         if all(e.outstanding == 0 for e in dev.engines):
             self.drained(dev, None)
 
-    def drained(self, dev: "SimDevice", eng: "Engine | None") -> None:
+    def drained(self, dev: "SimDevice", eng: "SimReplica | None") -> None:
         if dev.id not in self.pending_reassign or any(e.outstanding for e in dev.engines if e.draining):
             return
         for e in [e for e in dev.engines if e.draining]:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared.sim.offload import OffloadPart
+from shared.costmodel.offload import OffloadPart
 
 if TYPE_CHECKING:
     from shared.sim.device import SimDevice
-    from shared.sim.engine import Engine
+    from shared.sim.replica import SimReplica
 
 STAGING, ACTIVE, DRAINING, ENDED, REVOKED = "staging", "active", "draining", "ended", "revoked"
 
@@ -18,7 +18,7 @@ class SimLease:
     __slots__ = ("lid", "engine", "guest_dev", "segments", "part", "share", "start", "end", "state", "act_bytes",
                  "guest_busy_s", "link_bytes", "staged_new_bytes", "active_from", "mode", "lane")
 
-    def __init__(self, lid: str, engine: "Engine", guest_dev: "SimDevice", segments: tuple[str, ...],
+    def __init__(self, lid: str, engine: "SimReplica", guest_dev: "SimDevice", segments: tuple[str, ...],
                  part: OffloadPart, share: float, start: float, end: float, act_bytes: int) -> None:
         self.lid, self.engine, self.guest_dev, self.segments = lid, engine, guest_dev, segments
         self.part, self.share, self.start, self.end = part, share, start, end

@@ -30,7 +30,7 @@ from services.worker.segment_server import SegmentClient, SegmentServer, TensorM
 from services.worker.segment_wire import FrameError, LeaseStatusQuery, WeightsQuery
 from shared.config import ClusterConfig, ConfigError, DeviceConfig, TenantConfig, TenantsConfig, env_number
 from shared.gmg import GMGStore, Refused
-from shared.gmg.leases import LeaseStore
+from shared.gmg.lease_store import LeaseStore
 from shared.messages import LeaseGranted, LeaseRevoked
 from shared.model.engine import Engine, StepResult
 from shared.model.pipeline import pipelined_step

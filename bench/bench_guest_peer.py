@@ -3,7 +3,7 @@
 every MLP segment of a seeded model, weights regenerated from the seed). Prints ``READY <addr> <transport addr>``
 and serves until its stdin closes.
 
-``python -m services.cli.bench_guest_peer --mode echo|mlp --server thread|asyncio --backend none|shm|tcp``
+``python -m bench.bench_guest_peer --mode echo|mlp --server thread|asyncio --backend none|shm|tcp``
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> int:
     import structlog
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries READY only
-    ap = argparse.ArgumentParser(prog="python -m services.cli.bench_guest_peer")
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_guest_peer")
     ap.add_argument("--mode", choices=("echo", "mlp"), default="echo")
     ap.add_argument("--server", choices=("thread", "asyncio"), default="thread")
     ap.add_argument("--backend", choices=("none", "shm", "tcp"), default="none")

@@ -55,6 +55,23 @@ def _scheduler_leases(redis_url: str, prefix: str) -> dict[str, float]:
     return out
 
 
+def tenants_with_homes(tenants_file: str, homes: dict[str, list[str]] | None, out_dir: Path) -> str:
+    """The tenants file the mesh starts with: ``tenants_file`` itself, or a copy whose tenants' ``home_devices``
+    are ``homes`` (the planned partition) in ``out_dir``."""
+    if not homes:
+        return tenants_file
+    data = yaml.safe_load(Path(tenants_file).read_text())
+    for t in data["tenants"]:
+        t["home_devices"] = list(homes[t["name"]])
+        for key in ("checkpoint",):  # relative paths stay valid from the copy's folder
+            m = t.get("model")
+            if isinstance(m, dict) and isinstance(m.get(key), str) and not Path(m[key]).is_absolute():
+                m[key] = str((Path(tenants_file).parent / m[key]).resolve())
+    out = out_dir / "tenants.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(out)
+
+
 def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -> dict[str, Any]:
     from loadgen.runner import run_replay
     from services.launcher import Launcher
@@ -67,8 +84,8 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
                                                       f"{', '.join(bad)} are not")
     if policy == "pooled-bound":
         raise ConfigError("--policies", "pooled-bound", "simulation-only bound: not run on a mesh")
-    tenants = _tenants_file(args.workload)
     with tempfile.TemporaryDirectory(prefix=f"slicesched-{fidelity}-") as tmp:
+        tenants = tenants_with_homes(_tenants_file(args.workload), getattr(args, "homes", None), Path(tmp))
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()), tenants_file=tenants,
                             data_dir=Path(tmp), gateway_port=0, policy=policy, prefix="bench:", extra_env=MEASURE_ENV)
         hook = getattr(args, "mesh_hook", None)  # bench results: reads the run's streams for a busy-time timeline
@@ -88,14 +105,20 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
                 hook.finished(launcher, policy, scale, summary)
         finally:
             launcher.stop(drain_s=10)
-    return {"tokens_per_s": summary["tokens_per_s"], "violation_rate": summary["violation_rate"],
-            "wall_s": time.perf_counter() - t0, "leases": leases, "fidelity": fidelity,
-            "requests": summary.get("total", {}).get("requests"), "cpu_s": cpu}
+    from bench.bench_compare import point_summary
+    return point_summary({"tokens_per_s": summary["tokens_per_s"], "violation_rate": summary["violation_rate"],
+                          "wall_s": time.perf_counter() - t0, "leases": leases, "cpu_s": cpu,
+                          "tenants": summary.get("tenants") or {}}) | {
+        "fidelity": fidelity, "requests": summary.get("total", {}).get("requests")}
 
 
-def run_emulated_point(args: argparse.Namespace, policy: str, scale: float) -> dict[str, Any]:
+def run_emulated_point(args: argparse.Namespace, policy: str, scale: float, seed: int | None = None,
+                       stop_above: float | None = None) -> dict[str, Any]:
+    """One emulated-mesh point (the workload file's seed; a mesh point always runs to its end)."""
     return _point(args, policy, scale, "emulated")
 
 
-def run_real_point(args: argparse.Namespace, policy: str, scale: float) -> dict[str, Any]:
+def run_real_point(args: argparse.Namespace, policy: str, scale: float, seed: int | None = None,
+                   stop_above: float | None = None) -> dict[str, Any]:
+    """One real-mesh point (the workload file's seed; a mesh point always runs to its end)."""
     return _point(args, policy, scale, "real")

@@ -1,8 +1,8 @@
 """``slicesched bench accuracy``: the simulator's prediction error against the real CPU mesh.
 
-Runs the real mesh (:mod:`services.cli.accuracy_mesh`) on two phases: a short synthetic *calibration* load
+Runs the real mesh (:mod:`bench.accuracy_mesh`) on two phases: a short synthetic *calibration* load
 (:func:`calibration_requests`), then the *measured* arrivals (the first D seconds of a workload file). The
-measured arrivals are replayed in the simulator (:mod:`services.cli.accuracy_sim`) three ways, and a fourth:
+measured arrivals are replayed in the simulator (:mod:`bench.accuracy_sim`) three ways, and a fourth:
 
 * ``profile_only``: the shipped measured CPU profile as it is (what an offline ``slicesched simulate`` uses);
 * ``calibrated`` (the headline): as the live simulator service runs it, with per-(device, segment kind)
@@ -13,7 +13,7 @@ measured arrivals are replayed in the simulator (:mod:`services.cli.accuracy_sim
 * ``in_sample`` (a diagnostic, not a prediction): ``calibrated`` with everything learned from the scored phase
   itself — what the model cannot explain even in hindsight.
 
-Before the mesh starts, the machine's own steadiness is timed (:mod:`services.cli.machine_noise`).
+Before the mesh starts, the machine's own steadiness is timed (:mod:`bench.machine_noise`).
 
 Errors (:mod:`shared.costmodel.accuracy`): per-segment latency MAPE against the mean of each (segment, tokens
 bucket), request TTFT/TPOT absolute percentage error, memory over time as a fraction of device capacity.
@@ -295,7 +295,7 @@ def fit(cluster, tenants, phase, requests: list, rounds: int = 3) -> tuple[Any, 
     The batches depend on the times (a slower device batches more), so a replay with the uncorrected profile
     runs other batches than the mesh did; the factors are therefore refitted ``rounds`` − 1 times over the
     batches of a replay with the previous round's factors (each round's prediction in the profile's own units)."""
-    from services.cli.accuracy_sim import replay
+    from bench.accuracy_sim import replay
     from shared.costmodel import ModelCost, load_profile
 
     meas = measured_segments(phase, pool_devices=False)
@@ -327,7 +327,7 @@ def analyse(phases: dict, cluster, tenants, evaluated: list, calibration: list, 
     scored phase itself. What it still misses is what this model (one factor per segment bucket, one loop
     overhead, one path delay) cannot explain even knowing the phase: per-request timing noise and load-dependent
     effects, as opposed to what changed between the calibration and the scored phase."""
-    from services.cli.accuracy_sim import replay
+    from bench.accuracy_sim import replay
     from shared.costmodel import load_profile
 
     run = phases["run"]
@@ -364,8 +364,8 @@ NOISE_WINDOWS_S = (0.05, 0.2)  # about one TTFT and one request's decode on the 
 
 
 def measure_machine_noise(seconds: float) -> list[dict[str, float]]:
-    """How steady the machine is before the mesh starts (:mod:`services.cli.machine_noise`), per window length."""
-    from services.cli.machine_noise import steadiness
+    """How steady the machine is before the mesh starts (:mod:`bench.machine_noise`), per window length."""
+    from bench.machine_noise import steadiness
 
     if seconds <= 0:
         return []
@@ -468,7 +468,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.cli.accuracy_mesh import MeshMeasurement, run_mesh
+    from bench.accuracy_mesh import MeshMeasurement, run_mesh
     from services.cli.profile import machine_description
     from shared.costmodel import load_profile
 

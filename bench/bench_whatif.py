@@ -80,7 +80,7 @@ async def _bench(args, cluster, tenants, url: str, prefix: str, data_dir: Path, 
     from shared.service import health_key
     from shared.streams import StreamProducer
     from services.simulator.client import WhatIfClient, WhatIfTimeout
-    from services.simulator.synthetic import write_synthetic_state
+    from bench.synthetic_state import write_synthetic_state
 
     rng = random.Random(args.seed)
     redis = command_client(url)
@@ -145,7 +145,7 @@ async def _bench_in_process(args, cluster, tenants, url: str, prefix: str) -> di
     from shared.messages import WhatIfQuery
     from shared.redis_util import command_client
     from services.simulator.core import SimulatorCore
-    from services.simulator.synthetic import write_synthetic_state
+    from bench.synthetic_state import write_synthetic_state
 
     rng = random.Random(args.seed)
     redis = command_client(url)

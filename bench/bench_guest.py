@@ -23,7 +23,7 @@ import torch
 
 from shared.config import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,10 +51,10 @@ def _ints(text: str, field: str) -> list[int]:
 
 
 class Peer:
-    """A guest process started with ``services.cli.bench_guest_peer``."""
+    """A guest process started with ``bench.bench_guest_peer``."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli.bench_guest_peer", *args], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench_guest_peer", *args], cwd=REPO,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]  # the peer logs to stderr
         if not line.startswith("READY "):
@@ -83,7 +83,7 @@ def _loop_thread():
 def _transport(backend: str, loop):
     import asyncio
 
-    from services.cli.bench_guest_peer import DRIVER
+    from bench.bench_guest_peer import DRIVER
     if backend == "none":
         return None
     from shared.transport import ShmTransport, TcpTransport
@@ -94,7 +94,7 @@ def _transport(backend: str, loop):
 
 def bench_rpc(rows_list: list[int], iters: int) -> list[dict]:
     """Round trip of echo calls per (server, path, rows)."""
-    from services.cli.bench_guest_peer import GUEST
+    from bench.bench_guest_peer import GUEST
     from services.worker.segment_server import SegmentClient, TensorMover
 
     loop = _loop_thread()

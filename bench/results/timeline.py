@@ -7,7 +7,7 @@
 * lease windows: ``LeaseGranted``/``LeaseRevoked`` on the worker streams (a re-sent grant extends the window;
   a revocation ends it at its stream entry's time).
 
-:class:`TimelineRecorder` is the hook ``services.cli.compare_mesh`` calls around each mesh point: when the mesh is
+:class:`TimelineRecorder` is the hook ``bench.compare_mesh`` calls around each mesh point: when the mesh is
 up it creates an idle consumer group on the events and worker streams (consumers trim only below every group's
 last delivered id, so the whole run stays readable), and before the mesh stops it reads them with XRANGE.
 """

@@ -11,7 +11,7 @@ import structlog
 
 from shared.config import ClusterConfig, TenantsConfig
 from shared.gmg import GMGStore, Refused
-from shared.gmg.leases import Lease, LeaseStore
+from shared.gmg.lease_store import Lease, LeaseStore
 from shared.messages import LeaseGranted, LeaseRevoked, worker_stream
 from shared.model.graph import ModelGraph
 from shared.policies import (ClusterSnapshot, DeviceState, ExtendLease, GrantLease, LeaseState, RevokeLease,

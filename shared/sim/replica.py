@@ -1,7 +1,8 @@
 """Continuous batching of one tenant's replica on one device (chunked prefill, KV reserved per request).
 
-An engine never owns the clock: its device asks it to ``plan`` the next step (one iteration, or a run of
-identical decode iterations advanced in closed form) and later to ``complete`` it.
+A :class:`SimReplica` is the simulator's stand-in for one serving engine (the real one is
+:class:`shared.model.engine.Engine`). It never owns the clock: its device asks it to ``plan`` the next step (one
+iteration, or a run of identical decode iterations advanced in closed form) and later to ``complete`` it.
 """
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 from shared.costmodel.model_cost import ModelCost
-from shared.sim.offload import offloaded_iteration_time
+from shared.costmodel.offload import offloaded_iteration_time
 from shared.sim.request import DONE, RUNNING, SimRequest
 
 if TYPE_CHECKING:
     from shared.sim.device import SimDevice
-    from shared.sim.lease import SimLease
+    from shared.sim.sim_lease import SimLease
     from shared.sim.simulator import SimConfig
 
 
-class Engine:
+class SimReplica:
     """One tenant's batch on one device. ``on_token``/``on_finish`` report to the simulator."""
 
     __slots__ = ("eid", "tenant", "device", "cost", "cfg", "waiting", "prefilling", "decoding", "decode_kv",
@@ -73,6 +74,22 @@ class Engine:
             t = self.prefilling[0].arrival
         if self.waiting and self.waiting[0].arrival < t:
             t = self.waiting[0].arrival
+        return t
+
+    def deadline(self) -> float:
+        """Earliest SLA deadline among this engine's requests (their targets must be set): the first token of a
+        request waiting or in prefill (arrival + TTFT target), or the next token of a decoding one (first token +
+        tokens so far × TPOT target); ``inf`` when it has none."""
+        t = math.inf
+        for q in (self.prefilling, self.waiting):
+            for r in q:
+                d = r.arrival + r.ttft_t
+                if d < t:
+                    t = d
+        for r in self.decoding:
+            d = r.first_token + r.generated * r.tpot_t
+            if d < t:
+                t = d
         return t
 
     def kv_need(self, req: SimRequest) -> int:

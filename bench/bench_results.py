@@ -36,7 +36,7 @@ SIM_WORKLOADS = ("configs/workloads/azure-16mix-a0.7.yaml", "configs/workloads/a
 SIM_CLUSTER = "configs/cluster-h100x32.yaml"
 SIM_POLICIES = "container,container-avgwork,container-realloc,muxserve,token-pool,slice,pooled,pooled-bound"
 EMULATED = ("configs/workloads/emulated-6mix.yaml", "configs/cluster-emulated8.yaml")
-REAL = ("configs/workloads/tiny-bursty.yaml", "configs/cluster.yaml")
+REAL = ("configs/workloads/tiny-bursty.yaml", "configs/cluster-tiny.yaml")
 MESH_POLICIES = ("container", "slice")
 PNG_MAX_BYTES = 150_000
 

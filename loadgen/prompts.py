@@ -72,16 +72,20 @@ class TokenizerSynthesizer(PromptSynthesizer):
     """Exact counts with a Hugging Face ``tokenizer.json`` (``tokenizers`` library): words that encode to one
     token each are joined, then words are added or removed until the count is exact."""
 
-    def __init__(self, tokenizer_file: str | Path) -> None:
+    def __init__(self, tokenizer_file: str | Path, *, backend=None, special: int | None = None) -> None:
         from tokenizers import Tokenizer
 
         self.path = Path(tokenizer_file)
-        try:
-            self.tok = Tokenizer.from_file(str(self.path))
-        except Exception as e:  # the library raises plain Exception subclasses for bad files
-            raise ConfigError(self.path, "(file)", f"cannot load tokenizer: {e}") from None
+        if backend is not None:  # a tokenizer built from a GGUF file (the server adds ``special`` BOS tokens)
+            self.tok = backend
+        else:
+            try:
+                self.tok = Tokenizer.from_file(str(self.path))
+            except Exception as e:  # the library raises plain Exception subclasses for bad files
+                raise ConfigError(self.path, "(file)", f"cannot load tokenizer: {e}") from None
         probe = "hello"
-        self.special = len(self.tok.encode(probe).ids) - len(self.tok.encode(probe, add_special_tokens=False).ids)
+        self.special = special if special is not None else \
+            len(self.tok.encode(probe).ids) - len(self.tok.encode(probe, add_special_tokens=False).ids)
         self.words = [w for w in _WORDS if len(self.tok.encode(" " + w, add_special_tokens=False).ids) == 1
                       and len(self.tok.encode(w, add_special_tokens=False).ids) == 1]
         if not self.words:
@@ -89,7 +93,7 @@ class TokenizerSynthesizer(PromptSynthesizer):
                               "no common English word is a single token; cannot synthesise prompts")
 
     def count(self, text: str) -> int:
-        return len(self.tok.encode(text).ids)
+        return len(self.tok.encode(text, add_special_tokens=False).ids) + self.special
 
     def prompt(self, n_tokens: int, salt: int = 0) -> str:
         target = n_tokens
@@ -109,8 +113,13 @@ class TokenizerSynthesizer(PromptSynthesizer):
 
 
 def synthesizer_for(tenant: TenantConfig) -> PromptSynthesizer:
-    """A checkpoint with ``tokenizer.json`` gets its tokenizer; everything else the byte-level one."""
+    """A checkpoint with ``tokenizer.json`` or a GGUF vocabulary gets its tokenizer; everything else the byte-level
+    one."""
     ck = tenant.model.checkpoint
+    if ck and ck.endswith(".gguf"):
+        from shared.model.tokenizer import load_tokenizer
+        tok = load_tokenizer(ck, tenant.model.config)
+        return TokenizerSynthesizer(ck, backend=tok._tok, special=int(tok.add_bos))  # type: ignore[attr-defined]
     if ck and (Path(ck) / "tokenizer.json").is_file():
         return TokenizerSynthesizer(Path(ck) / "tokenizer.json")
     return ByteLevelSynthesizer(add_bos=True)

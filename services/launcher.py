@@ -268,13 +268,14 @@ class Launcher:
             return f" (Redis Cluster: {self.local_cluster.masters} masters + {self.local_cluster.replicas} replica each)"
         return " (Redis Cluster)" if self.cluster_mode else ""
 
-    def banner(self, dev_keys: dict[str, list[str]]) -> str:
+    def banner(self, dev_keys: dict[str, list[str]], models: dict[str, str] | None = None) -> str:
         lines = [f"SliceScheduler is up: gateway {self.gateway_url}  (Ctrl-C stops everything)",
                  f"  redis: {self.redis_url}{self._redis_kind()}  prefix: {self.prefix}  policy: {self.policy}",
                  f"  logs:  {self.data_dir / 'logs'}"]
         for t, keys in dev_keys.items():
             for k in keys:
-                lines.append(f"  tenant {t}: model {t!r}, dev API key {k}")
+                served = f" serves {models[t]}" if models and t in models else ""
+                lines.append(f"  tenant {t}:{served} as model {t!r}, dev API key {k}")
         lines.append(f"  try: curl -s {self.gateway_url}/v1/completions -H 'Authorization: Bearer "
                      f"{next(iter(next(iter(dev_keys.values()), [''])), '')}' -H 'Content-Type: application/json' "
                      f"-d '{{\"model\": \"{next(iter(dev_keys), '')}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'")

@@ -18,6 +18,7 @@ import yaml
 from shared.config_error import ConfigError
 from shared.costmodel.profiles import LINK_KINDS
 from shared.model.config import PRESETS, ModelConfig
+from shared.model.hf_config import GenerationDefaults
 
 BACKENDS = ("cpu", "cuda", "emulated")
 DEVICE_KINDS = ("cpu", "a100-80gb", "h100-80gb", "h200")
@@ -108,12 +109,21 @@ class SLA:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Where a tenant's model comes from: a preset name, an inline config, or a local checkpoint dir."""
+    """Where a tenant's model comes from: a preset name, an inline config (random weights), or a checkpoint
+    (a directory or ``.gguf`` file, resolved to its path; docs/models.md)."""
 
     config: ModelConfig
     preset: str | None = None
     checkpoint: str | None = None
     seed: int = 0
+    generation: GenerationDefaults = GenerationDefaults()  # the checkpoint's sampling defaults
+
+    @property
+    def label(self) -> str:
+        """What the start-up banner says the tenant serves."""
+        if self.checkpoint:
+            return f"{Path(self.checkpoint).name} ({self.config.architecture}, {self.config.dtype})"
+        return f"{self.preset or 'inline config'} (random weights, seed {self.seed})"
 
 
 @dataclass(frozen=True)
@@ -283,16 +293,21 @@ def _parse_model(m: Any, file: Path, path: str) -> ModelSpec:
             raise ConfigError(file, f"{path}.config", str(e)) from None
         spec = ModelSpec(config=cfg, seed=seed)
     else:
-        ck = Path(_req(m, "checkpoint", file, path, str))
-        if not ck.is_absolute():
-            ck = (file.parent / ck).resolve()
-        if not (ck / "config.json").is_file():
-            raise ConfigError(file, f"{path}.checkpoint", f"no config.json in {ck}")
+        from shared.model.checkpoint import inspect_checkpoint, resolve_checkpoint
+        for k in sorted(set(m) - {"checkpoint", "dtype", "max_model_len", "seed"}):
+            raise ConfigError(file, f"{path}.{k}", "unknown field (checkpoint, dtype, max_model_len, seed)")
+        dtype = _req(m, "dtype", file, path, str, default=None)
+        if dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ConfigError(file, f"{path}.dtype", f"must be float32, float16 or bfloat16, got {dtype!r}")
+        mml = _req(m, "max_model_len", file, path, int, default=None)
+        if mml is not None and mml <= 0:
+            raise ConfigError(file, f"{path}.max_model_len", f"must be positive, got {mml}")
         try:
-            cfg = ModelConfig.from_checkpoint(ck)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(file, f"{path}.checkpoint", f"bad config.json: {e}") from None
-        spec = ModelSpec(config=cfg, checkpoint=str(ck), seed=seed)
+            ck = resolve_checkpoint(_req(m, "checkpoint", file, path, str), file.parent)
+            info = inspect_checkpoint(ck, dtype=dtype, max_model_len=mml, check_weights=False)
+        except ValueError as e:  # CheckpointError names the checkpoint's own file and field
+            raise ConfigError(file, f"{path}.checkpoint", str(e)) from None
+        spec = ModelSpec(config=info.config, checkpoint=str(ck), seed=seed, generation=info.generation)
     errs = spec.config.validate()
     if errs:
         raise ConfigError(file, f"{path}.{errs[0].split(':')[0]}", errs[0].split(": ", 1)[1])

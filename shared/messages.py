@@ -32,6 +32,12 @@ class InferenceRequest(Msg, frozen=True, kw_only=True):
     ignore_eos: bool = False
     arrival_ts: float = 0.0
     deadline_ts: float = 0.0  # 0 = none; the scheduler drops it (with an error) if still queued past this
+    top_k: int = 0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely tokens' logprobs
+    stop_token_ids: list[int] = []
 
 
 class CancelRequest(Msg, frozen=True, kw_only=True):
@@ -93,6 +99,8 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     device: str = ""
+    # per token of token_ids when the request asked for logprobs: (logprob, [(token id, logprob), ...])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = []
 
 
 class RequestError(Msg, frozen=True, kw_only=True):

@@ -17,6 +17,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from shared.model.checks import check_deployment
 from shared.config import (DEFAULT_POLICY, REPO_CONFIGS, ClusterConfig, ConfigError, Settings, TenantsConfig,
                            home_tenant_of, load_cluster, load_tenants)
 
@@ -45,6 +46,7 @@ def check_mesh(cluster_file: str, tenants_file: str, policy: str | None = None) 
     tenants = load_tenants(tenants_file, cluster)
     for d in cluster.devices:
         home_tenant_of(cluster, tenants, d.id)
+    check_deployment(cluster, tenants)  # model architectures, checkpoint tensors, fit on each home device
     _check_tokenizers(tenants)
     name = _check_policy(cluster, policy)
     _check_environment(cluster)

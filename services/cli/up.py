@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if stop["flag"]:
         launcher.stop()
         return 0
-    print(launcher.banner(dev_api_keys(args.tenants)), flush=True)
+    print(launcher.banner(dev_api_keys(args.tenants), {t.name: t.model.label for t in mesh.tenants.tenants}), flush=True)
     try:
         while not stop["flag"]:
             time.sleep(0.5)

@@ -20,9 +20,9 @@ MAX_USER_CHARS = 256
 MAX_MESSAGES = 4096
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 # Fields accepted with their default value only: anything else asks for a feature the mesh does not provide.
-UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0), "suffix": (None, ""),
-               "top_logprobs": (None, 0)}
+UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,17 @@ class ParsedRequest:
     messages: tuple[dict, ...] = ()  # chat: ({"role", "content"} with content as a plain string)
     max_tokens: int = 16
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from (chat: max_completion_tokens)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: not in the request; :func:`with_model_defaults` fills in the checkpoint's generation_config.json
+    # values, else the API defaults (temperature 1, top_p 1, top_k off, no penalty)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely tokens'
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -163,10 +172,24 @@ def parse_request(data: Any, *, chat: bool) -> ParsedRequest:
     if max_tokens <= 0:
         raise bad_request(f"'{mt_param}' must be at least 1, got {max_tokens}", mt_param)
 
-    temperature = _opt_float(data, "temperature", 0.0, 2.0, default=1.0)
-    top_p = _opt_float(data, "top_p", 0.0, 1.0, default=1.0)
-    if top_p <= 0.0:
+    temperature = _opt_float(data, "temperature", 0.0, 2.0, default=None)
+    top_p = _opt_float(data, "top_p", 0.0, 1.0, default=None)
+    if top_p is not None and top_p <= 0.0:
         raise bad_request("'top_p' must be greater than 0", "top_p")
+    top_k = _opt(data, "top_k", int, "an integer")
+    if top_k is not None and top_k < -1:
+        raise bad_request(f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k}", "top_k")
+    top_k = None if top_k is None else max(0, top_k)
+    rep = _opt_float(data, "repetition_penalty", 0.0, 2.0, default=None)
+    if rep is not None and rep <= 0.0:
+        raise bad_request("'repetition_penalty' must be greater than 0", "repetition_penalty")
+    presence = _opt_float(data, "presence_penalty", -2.0, 2.0, default=0.0)
+    frequency = _opt_float(data, "frequency_penalty", -2.0, 2.0, default=0.0)
+    logprobs = _parse_logprobs(data, chat)
+    stop_ids = _opt(data, "stop_token_ids", list, "an array of token ids") or []
+    for i, t in enumerate(stop_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise invalid_type(f"stop_token_ids[{i}]", "a token id (non-negative integer)", t)
     seed = _opt(data, "seed", int, "an integer")
     if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
         raise bad_request("'seed' must fit in a signed 64-bit integer", "seed")
@@ -184,8 +207,27 @@ def parse_request(data: Any, *, chat: bool) -> ParsedRequest:
         _check_text(user, "user", MAX_USER_CHARS)
     ignore_eos = _opt(data, "ignore_eos", bool, "a boolean") or False
     return ParsedRequest(chat=chat, model=model, prompt_text=prompt_text, prompt_ids=prompt_ids, messages=messages,
-                         max_tokens=max_tokens, max_tokens_param=mt_param, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                         max_tokens=max_tokens, max_tokens_param=mt_param, temperature=temperature, top_p=top_p,
+                         top_k=top_k, repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency,
+                         logprobs=logprobs, stop_token_ids=tuple(stop_ids), seed=seed, stop=stop,
+                         tokens_as_ids=_opt(data, "return_tokens_as_token_ids", bool, "a boolean") or False,
                          stream=stream, include_usage=include_usage, user=user, ignore_eos=ignore_eos)
+
+
+def _parse_logprobs(data: dict, chat: bool) -> int | None:
+    """Completions: ``logprobs`` = k alternatives (0..20). Chat: ``logprobs`` true, ``top_logprobs`` = k."""
+    if not chat:
+        k = _opt(data, "logprobs", int, "an integer")
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {k}", "logprobs")
+        return k
+    on = _opt(data, "logprobs", bool, "a boolean")
+    top = _opt(data, "top_logprobs", int, "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {top}", "top_logprobs")
+    if top and not on:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
 
 
 def _req_str(data: dict, key: str) -> str:
@@ -206,7 +248,7 @@ def _opt(data: dict, key: str, kind: type, expected: str) -> Any:
     return v
 
 
-def _opt_float(data: dict, key: str, lo: float, hi: float, *, default: float) -> float:
+def _opt_float(data: dict, key: str, lo: float, hi: float, *, default: float | None) -> float | None:
     v = data.get(key)
     if v is None:
         return default
@@ -346,32 +388,3 @@ class KeyIndex:
                            code="model_not_allowed", param="model")
         raise ApiError(404, f"model '{model[:200]}' does not exist", type="invalid_request_error",
                        code="model_not_found", param="model")
-
-
-def check_context(prompt_len: int, max_tokens: int, context: int, *, chat: bool,
-                  max_tokens_param: str = "max_tokens") -> None:
-    """Reject ``max_tokens`` above the context, and prompt (incl. BOS) + ``max_tokens`` over it."""
-    if max_tokens > context:
-        raise bad_request(f"'{max_tokens_param}' is {max_tokens}, more than the model's context of {context} tokens",
-                          max_tokens_param)
-    if prompt_len + max_tokens > context:
-        raise bad_request(f"this model's maximum context length is {context} tokens; the request has {prompt_len} "
-                          f"prompt tokens and asks for {max_tokens} completion tokens",
-                          "messages" if chat else "prompt", code="context_length_exceeded")
-
-
-def render_prompt(tokenizer: Any, p: ParsedRequest) -> str:
-    """The prompt text: the completion prompt, or the chat messages through the model's chat template."""
-    if not p.chat:
-        return p.prompt_text or ""
-    try:
-        return tokenizer.apply_chat_template([dict(m) for m in p.messages])
-    except Exception as e:  # a checkpoint's Jinja template may reject a conversation (e.g. roles must alternate)
-        raise bad_request(f"the messages cannot be rendered with the model's chat template: {str(e)[:200]}",
-                          "messages") from None
-
-
-def check_token_ids(ids: tuple[int, ...], vocab_size: int) -> None:
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab_size})", f"prompt[{i}]")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.core import CHAT_ROLES, MAX_STOP
+from services.gateway.core import CHAT_ROLES, MAX_LOGPROBS, MAX_STOP
 
 
 def _nullable(schema: dict) -> dict:
@@ -35,7 +35,28 @@ _SAMPLING = {
     "user": _nullable({"type": "string", "maxLength": 256}),
     "ignore_eos": _nullable({"type": "boolean", "default": False,
                              "description": "extension: keep generating past EOS until max_tokens"}),
+    "top_k": _nullable({"type": "integer", "minimum": -1,
+                        "description": "extension: sample among the k most likely tokens; -1 or 0 = off"}),
+    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2, "default": 0}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2, "default": 0}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 2,
+                                     "description": "extension (vLLM): > 1 discourages prompt and output tokens"}),
+    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0},
+                                 "description": "extension (vLLM): token ids that end generation"}),
+    "return_tokens_as_token_ids": _nullable({"type": "boolean", "default": False,
+                                             "description": "extension (vLLM): logprobs name tokens 'token_id:<id>'"}),
 }
+_TOP = {"type": "object", "required": ["token", "logprob"],
+        "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
+                       "bytes": {"type": "array", "items": {"type": "integer"}}}}
+_CHAT_LOGPROBS = _nullable({"type": "object", "required": ["content"], "properties": {"content": {
+    "type": "array", "items": dict(_TOP, properties=dict(_TOP["properties"], top_logprobs={
+        "type": "array", "items": _TOP}))}}})
+_COMPLETION_LOGPROBS = _nullable({"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs"],
+                                  "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
+                                                 "token_logprobs": {"type": "array", "items": {"type": "number"}},
+                                                 "top_logprobs": {"type": "array", "items": {"type": "object"}},
+                                                 "text_offset": {"type": "array", "items": {"type": "integer"}}}})
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {k: {"type": "integer", "minimum": 0}
@@ -53,6 +74,8 @@ SCHEMAS: dict[str, Any] = {
                                  {"type": "array", "minItems": 1, "maxItems": 1,
                                   "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}]},
             **_SAMPLING,
+            "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                   "description": "log-probability of each token and of the k most likely"}),
         },
     },
     "ChatMessage": {
@@ -73,6 +96,9 @@ SCHEMAS: dict[str, Any] = {
             "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
             "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
             **_SAMPLING,
+            "logprobs": _nullable({"type": "boolean", "default": False}),
+            "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                       "description": "needs logprobs: true"}),
         },
     },
     "Usage": _USAGE,
@@ -83,7 +109,8 @@ SCHEMAS: dict[str, Any] = {
             "created": {"type": "integer"}, "model": {"type": "string"}, "usage": _ref("Usage"),
             "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
                 "type": "object", "required": ["index", "text", "finish_reason"],
-                "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH}}},
+                "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH,
+                               "logprobs": _COMPLETION_LOGPROBS}}},
         },
     },
     "ChatCompletion": {
@@ -93,7 +120,7 @@ SCHEMAS: dict[str, Any] = {
             "created": {"type": "integer"}, "model": {"type": "string"}, "usage": _ref("Usage"),
             "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
                 "type": "object", "required": ["index", "message", "finish_reason"],
-                "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "message": {
+                "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "logprobs": _CHAT_LOGPROBS, "message": {
                     "type": "object", "required": ["role", "content"],
                     "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}}},
         },

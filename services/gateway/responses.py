@@ -33,14 +33,53 @@ def finish_reason(raw: str | None) -> str | None:
     return raw if raw in FINISH_REASONS else "stop"
 
 
+def _lp(v: float) -> float:
+    return v if v > -9999.0 else -9999.0  # -inf is not JSON; vLLM reports it as -9999.0
+
+
+class _IdNames:
+    """vLLM's ``return_tokens_as_token_ids``: every token is named ``token_id:<id>``."""
+
+    def token_text(self, t: int) -> str:
+        return f"token_id:{t}"
+
+    def token_bytes(self, t: int) -> bytes:
+        return self.token_text(t).encode()
+
+
+def logprobs_object(tokenizer: Any, token_ids: list[int], lps: list, *, chat: bool, offset: int = 0,
+                    as_ids: bool = False) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice (or of one streamed chunk) from the worker's per-token
+    ``(logprob, [(token id, logprob), ...])`` entries; None when there are none."""
+    if not lps:
+        return None
+    if as_ids:
+        tokenizer = _IdNames()
+    pairs = list(zip(token_ids, lps))
+    if chat:
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            b = tokenizer.token_bytes(t)
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": _lp(lp), "bytes": list(b)}
+        return {"content": [dict(entry(t, lp), top_logprobs=[entry(a, alp) for a, alp in top])
+                            for t, (lp, top) in pairs]}
+    tokens, offsets = [], []
+    for t, _ in pairs:
+        tokens.append(tokenizer.token_text(t))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [_lp(lp) for _, (lp, _) in pairs],
+            "top_logprobs": [{tokenizer.token_text(a): _lp(alp) for a, alp in top} for _, (_, top) in pairs],
+            "text_offset": offsets}
+
+
 def completion_body(*, request_id: str, chat: bool, created: int, model: str, text: str, finish: str | None,
-                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                    prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict[str, Any]:
     """A non-streamed ``text_completion`` or ``chat.completion`` object."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason(finish) or "stop"}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(finish) or "stop"}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(finish) or "stop"}
     return {"id": response_id(request_id, chat), "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": [choice],
             "usage": usage(prompt_tokens, completion_tokens)}
@@ -72,10 +111,10 @@ class StreamShaper:
                                  "finish_reason": None})]
         return []
 
-    def delta(self, text: str) -> bytes:
+    def delta(self, text: str, logprobs: dict | None = None) -> bytes:
         if self.chat:
-            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
-        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
+        return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None})
 
     def finish(self, finish: str | None, prompt_tokens: int, completion_tokens: int) -> list[bytes]:
         """The chunk with ``finish_reason``, the usage chunk when asked for, and ``[DONE]``."""

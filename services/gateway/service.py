@@ -16,8 +16,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway.admission import Admission, overloaded, shared_refusal
-from services.gateway.core import (ApiError, GatewayLimits, KeyIndex, ParsedRequest, check_content_type,
-                                   check_context, check_token_ids, decode_json, parse_request, render_prompt)
+from services.gateway.core import (ApiError, GatewayLimits, KeyIndex, ParsedRequest, bad_request, check_content_type,
+                                   decode_json, parse_request)
+from services.gateway.prompt import (check_context, check_token_ids, encode_prompt, render_prompt,
+                                     with_model_defaults)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.quota_store import QuotaStore
@@ -247,18 +249,22 @@ class GatewayService:
         return decode_json(await request.read())
 
     async def _prompt_ids(self, tenant: TenantConfig, p: ParsedRequest) -> list[int]:
+        """Token ids as transformers makes them (BOS only where the tokenizer or the chat template adds one);
+        token-id prompts are taken as given."""
         tok = self.tokenizers[tenant.name]
+        check_token_ids(p.stop_token_ids, tenant.model.config.vocab_size, "stop_token_ids")
         if p.prompt_ids is not None:
             check_token_ids(p.prompt_ids, tenant.model.config.vocab_size)
             ids = list(p.prompt_ids)
         else:
             text = render_prompt(tok, p)
             if len(text) > INLINE_TOKENIZE_CHARS:  # keep the event loop responsive for long prompts
-                ids = await asyncio.get_running_loop().run_in_executor(None, tok.encode, text)
+                ids = await asyncio.get_running_loop().run_in_executor(None, encode_prompt, tok, p, text)
             else:
-                ids = tok.encode(text)
-        bos = tok.bos_token_id
-        return [bos, *ids] if bos is not None else ids
+                ids = encode_prompt(tok, p, text)
+        if not ids:
+            raise bad_request("the prompt is empty (it encodes to no tokens)", "messages" if p.chat else "prompt")
+        return ids
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         arrival_mono, arrival_ts = time.monotonic(), time.time()
@@ -266,6 +272,7 @@ class GatewayService:
         tenant = self._auth(request)
         parsed = parse_request(await self._read_json(request), chat=chat)
         tenant = self.keys.resolve_model(tenant, parsed.model)
+        parsed = with_model_defaults(parsed, tenant.model.generation)
         prompt_ids = await self._prompt_ids(tenant, parsed)
         check_context(len(prompt_ids), parsed.max_tokens, tenant.model.config.max_position_embeddings, chat=chat,
                       max_tokens_param=parsed.max_tokens_param)
@@ -284,7 +291,10 @@ class GatewayService:
                 msg_id=rid, request_id=rid, tenant=tenant.name, gateway=self.gateway_id, prompt_ids=prompt_ids,
                 max_tokens=parsed.max_tokens, temperature=parsed.temperature, top_p=parsed.top_p, seed=parsed.seed,
                 stop=list(parsed.stop), ignore_eos=parsed.ignore_eos, arrival_ts=arrival_ts,
-                deadline_ts=arrival_ts + self.limits.request_idle_timeout_s)
+                deadline_ts=arrival_ts + self.limits.request_idle_timeout_s, top_k=parsed.top_k,
+                presence_penalty=parsed.presence_penalty, frequency_penalty=parsed.frequency_penalty,
+                repetition_penalty=parsed.repetition_penalty, logprobs=parsed.logprobs,
+                stop_token_ids=list(parsed.stop_token_ids))
             try:
                 # durable: on a Redis Cluster the request is on a replica too before it counts as accepted
                 await asyncio.wait_for(self.producer.add(self.requests_stream, msg, durable=True),
@@ -306,7 +316,8 @@ class GatewayService:
                      stream=parsed.stream)
             ctx = RequestContext(request_id=rid, tenant=tenant, parsed=parsed, prompt_tokens=len(prompt_ids),
                                  arrival_mono=arrival_mono, created=int(arrival_ts),
-                                 idle_timeout_s=self.limits.request_idle_timeout_s)
+                                 idle_timeout_s=self.limits.request_idle_timeout_s,
+                                 tokenizer=self.tokenizers[tenant.name])
             return await respond(request, ctx, pending, self.metrics, self._send_cancel)
         finally:
             self.router.unregister(rid)

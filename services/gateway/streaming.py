@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import structlog
 from aiohttp import web
 
 from services.gateway.core import ApiError, ParsedRequest
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.responses import StreamShaper, completion_body, error_from_mesh
+from services.gateway.responses import StreamShaper, completion_body, error_from_mesh, logprobs_object
 from services.gateway.tokens import PendingRequest
 from shared.config import TenantConfig
 from shared.messages import RequestError, TokenChunk
@@ -39,6 +39,7 @@ class RequestContext:
     arrival_mono: float
     created: int
     idle_timeout_s: float
+    tokenizer: Any = None  # for the token texts of logprobs
 
 
 class _Progress:
@@ -100,19 +101,25 @@ async def respond(request: web.Request, ctx: RequestContext, pending: PendingReq
 
 async def _collect(request: web.Request, ctx: RequestContext, pending: PendingRequest, metrics: GatewayMetrics,
                    send_cancel: SendCancel) -> web.Response:
-    progress, parts = _Progress(ctx), []
+    progress, parts, ids, lps = _Progress(ctx), [], [], []
     while True:
         ev = await _next_event(ctx, pending, send_cancel)
         if isinstance(ev, RequestError):
             raise error_from_mesh(ev.status, ev.code, ev.message, ev.retryable)
         progress.add(ev)
         parts.append(ev.text)
+        if ev.logprobs:
+            ids.extend(ev.token_ids[:len(ev.logprobs)])
+            lps.extend(ev.logprobs)
         if ev.finish_reason is not None:
             break
     progress.record(metrics, request)
+    lp = logprobs_object(ctx.tokenizer, ids, lps, chat=ctx.parsed.chat, as_ids=ctx.parsed.tokens_as_ids) \
+        if ctx.parsed.logprobs is not None else None
     body = completion_body(request_id=ctx.request_id, chat=ctx.parsed.chat, created=ctx.created,
                            model=ctx.tenant.name, text="".join(parts), finish=progress.finish,
-                           prompt_tokens=ctx.prompt_tokens, completion_tokens=progress.completion_tokens)
+                           prompt_tokens=ctx.prompt_tokens, completion_tokens=progress.completion_tokens,
+                           logprobs=lp)
     return web.json_response(body)
 
 
@@ -127,6 +134,7 @@ async def _stream(request: web.Request, ctx: RequestContext, pending: PendingReq
                                                    "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                                    "X-Request-Id": ctx.request_id})
     progress = _Progress(ctx)
+    offset = 0  # text_offset of the next token's logprobs (completions)
     try:
         await resp.prepare(request)
         # Events already routed to this request go out in one write (each token is still its own SSE event):
@@ -144,7 +152,12 @@ async def _stream(request: web.Request, ctx: RequestContext, pending: PendingReq
                 return resp
             progress.add(ev)
             if ev.text or ev.token_ids:  # one chunk per generated token (text may be empty: partial UTF-8)
-                out.append(shaper.delta(ev.text))
+                lp = None
+                if ev.logprobs and ctx.parsed.logprobs is not None:
+                    lp = logprobs_object(ctx.tokenizer, ev.token_ids, ev.logprobs, chat=ctx.parsed.chat,
+                                         offset=offset, as_ids=ctx.parsed.tokens_as_ids)
+                    offset += sum(len(t) for t in lp.get("tokens", ()))  # type: ignore[union-attr]
+                out.append(shaper.delta(ev.text, lp))
             if ev.finish_reason is not None:
                 break
             if pending.queue.empty() and out:

@@ -32,6 +32,10 @@ def main() -> int:
         except KeyError:
             raise ConfigError(cluster.source, "devices", f"no device with id {args.device!r}") from None
         tenant = home_tenant_of(cluster, tenants, device.id)
+        from shared.model.checks import fit_problem
+        problem = fit_problem(tenant, device, cluster.headroom_fraction)
+        if problem:
+            raise ConfigError(tenants.source, "home_devices", problem)
         knobs = engine_knobs()
         from services.worker.lease_agent import LeaseOptions
         from services.worker.service import worker_env_threads

@@ -37,14 +37,14 @@ class Tracker:
         return t
 
     def chunk(self, t: Tracked, token_ids: list[int], text: str, finish_reason: str | None, prompt_tokens: int,
-              completion_tokens: int) -> TokenChunk:
+              completion_tokens: int, logprobs: list | None = None) -> TokenChunk:
         now = time.time()
         if token_ids and not t.first_token_ts:
             t.first_token_ts = now
         t.completion_tokens = completion_tokens
         c = TokenChunk(msg_id=uuid.uuid4().hex, request_id=t.req.request_id, tenant=t.req.tenant, seq=t.seq,
                        token_ids=token_ids, text=text, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
-                       completion_tokens=completion_tokens, device=self.device)
+                       completion_tokens=completion_tokens, device=self.device, logprobs=logprobs or [])
         t.seq += 1
         return c
 

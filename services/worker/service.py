@@ -286,7 +286,8 @@ class WorkerService:
         if not todo:
             return []
         chunks = [(tokens_stream(self.p, t.req.gateway),
-                   self.tracker.chunk(t, ev.token_ids, ev.text, None, ev.prompt_tokens, ev.completion_tokens))
+                   self.tracker.chunk(t, ev.token_ids, ev.text, None, ev.prompt_tokens, ev.completion_tokens,
+                                      [ev.logprobs] if ev.logprobs is not None else None))
                   for t, ev in todo]
         if not self.direct.publish(chunks):
             for t, _ in todo:  # the loop rebuilds these chunks with the same seq numbers
@@ -342,7 +343,10 @@ class WorkerService:
             if kind == "add":
                 r = msg.request
                 params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                        seed=r.seed, stop=tuple(r.stop), ignore_eos=r.ignore_eos)
+                                        seed=r.seed, stop=tuple(r.stop), ignore_eos=r.ignore_eos, top_k=r.top_k,
+                                        presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                                        repetition_penalty=r.repetition_penalty, logprobs=r.logprobs,
+                                        stop_token_ids=tuple(r.stop_token_ids))
                 try:
                     self.engine_of.get(r.request_id, self.engine).add(r.request_id, list(r.prompt_ids), params)
                 except ValueError as e:
@@ -373,7 +377,8 @@ class WorkerService:
                     continue
                 items.append((tokens_stream(self.p, t.req.gateway),
                               self.tracker.chunk(t, ev.token_ids, ev.text, ev.finish_reason, ev.prompt_tokens,
-                                                 ev.completion_tokens)))
+                                                 ev.completion_tokens,
+                                                 [ev.logprobs] if ev.logprobs is not None else None)))
                 self.m_tokens.labels(self.device.id, t.req.tenant).inc(len(ev.token_ids))
                 if ev.finish_reason is not None:
                     finished.append((ev.request_id, ev.finish_reason))

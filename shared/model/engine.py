@@ -19,14 +19,15 @@ import torch
 from shared.model.batch import BatchContext, SeqChunk, build_context
 from shared.model.graph import segment_names
 from shared.model.llama import LlamaModel
-from shared.model.sampling import make_generator, sample_row, validate_params
+from shared.model.sampling import (SamplingOptions, apply_penalties, make_generator, sample_row, token_logprobs,
+                                   validate_params)
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
-
 
 
 @dataclass
 class SamplingParams:
-    """Per-request generation settings (temperature 0 = greedy)."""
+    """Per-request generation settings (temperature 0 = greedy; top_k 0 = off; ``logprobs`` None = none, k = the
+    sampled token's log-probability and the k most likely alternatives)."""
 
     max_tokens: int
     temperature: float = 0.0
@@ -34,6 +35,17 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def options(self) -> SamplingOptions:
+        return SamplingOptions(self.temperature, self.top_p, self.top_k, self.presence_penalty,
+                               self.frequency_penalty, self.repetition_penalty)
 
 
 @dataclass
@@ -46,6 +58,7 @@ class TokenEvent:
     finish_reason: str | None  # "stop" (EOS or stop string) | "length" | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None  # of this event's token (if asked for)
 
 
 @dataclass
@@ -77,6 +90,8 @@ class _Seq:
     computed: int = 0  # positions whose KV is in the cache
     pending: str = ""  # text held back while it might be the start of a stop string
     hold: int = 0  # characters to hold back: longest stop string - 1
+    prompt_t: torch.Tensor | None = None  # the prompt as a tensor (repetition penalty)
+    last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -102,6 +117,8 @@ class Engine:
         self._segments = list(model.segments)
         self._waiting: OrderedDict[str, _Seq] = OrderedDict()
         self._running: OrderedDict[str, _Seq] = OrderedDict()
+        # every id that ends generation: the tokenizer's EOS list and the model config's (generation_config.json)
+        self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ()) | frozenset(model.cfg.eos_token_ids)
 
     # ---------------------------------------------------------------- capacity
     @property
@@ -159,7 +176,7 @@ class Engine:
             raise ValueError("prompt is empty")
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        validate_params(params.temperature, params.top_p)
+        validate_params(params.temperature, params.top_p, params.top_k, params.repetition_penalty, params.logprobs)
         bad = next((t for t in prompt_ids if not 0 <= t < cfg.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} outside the vocabulary (size {cfg.vocab_size})")
@@ -174,7 +191,9 @@ class Engine:
         seq = _Seq(request_id, list(prompt_ids), params,
                    make_generator(params.seed) if params.temperature > 0 else None,
                    IncrementalDetokenizer(self.tokenizer, prompt_ids),
-                   hold=max((len(s) for s in params.stop), default=1) - 1)
+                   hold=max((len(s) for s in params.stop), default=1) - 1,
+                   prompt_t=torch.tensor(prompt_ids, dtype=torch.long) if params.repetition_penalty != 1.0
+                   else None)
         self._waiting[request_id] = seq
         self._admit()
 
@@ -268,17 +287,27 @@ class Engine:
         if not seqs:
             return []
         greedy = logits.argmax(dim=-1).tolist()
-        # seeded draws run on CPU generators so a seed gives the same tokens on any device
-        return [g if s.generator is None else
-                sample_row(logits[r].cpu(), s.params.temperature, s.params.top_p, s.generator)
-                for r, (s, g) in enumerate(zip(seqs, greedy))]
+        out = []
+        for r, (s, g) in enumerate(zip(seqs, greedy)):
+            p = s.params
+            if s.generator is None and not p.options.penalised and p.logprobs is None:
+                out.append(g)  # plain greedy: the batched argmax
+                continue
+            # seeded draws run on CPU generators so a seed gives the same tokens on any device
+            row = logits[r].float().cpu()
+            adj = apply_penalties(row, p.options, s.prompt_t, s.output) if p.options.penalised else row
+            tok = int(adj.argmax()) if s.generator is None else \
+                sample_row(adj, p.temperature, p.top_p, s.generator, p.top_k)
+            s.last_logprobs = token_logprobs(row, tok, p.logprobs) if p.logprobs is not None else None
+            out.append(tok)
+        return out
 
     def _advance(self, seq: _Seq, token: int) -> TokenEvent:
         """Append a sampled token, detokenize, apply stop conditions; free KV when finished."""
         seq.output.append(token)
         p = seq.params
         finish = None
-        if token == self.tokenizer.eos_token_id and not p.ignore_eos:
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             finish = "stop"
             new_text = seq.detok.flush()
         else:
@@ -298,4 +327,5 @@ class Engine:
         if finish is not None:
             self._running.pop(seq.request_id, None)
             self.kv.free(seq.request_id)
-        return TokenEvent(seq.request_id, [token], text, finish, len(seq.prompt), len(seq.output))
+        return TokenEvent(seq.request_id, [token], text, finish, len(seq.prompt), len(seq.output),
+                          seq.last_logprobs)

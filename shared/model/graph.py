@@ -187,10 +187,10 @@ class ModelGraph:
             seg_in = last
             last = seg(a, "attn", layer, [
                 ("input_norm", "rmsnorm", h, h, h, (), {}),
-                ("qkv_proj", "qkv_proj", h * qkv, h, qkv, (), {}),
-                ("rope", "rope", 0, qkv, qkv, (), heads),
+                ("qkv_proj", "qkv_proj", h * qkv + (qkv if cfg.attention_bias else 0), h, qkv, (), {}),
+                ("rope", "rope", 2 * hd if cfg.qk_norm else 0, qkv, qkv, (), heads),  # Qwen3's q/k norms here
                 ("attention", "attention", 0, nh * hd, nh * hd, (), heads),
-                ("o_proj", "o_proj", nh * hd * h, nh * hd, h, (), {}),
+                ("o_proj", "o_proj", nh * hd * h + (h if cfg.o_bias else 0), nh * hd, h, (), {}),
                 ("residual", "residual_add", 0, h, h, (seg_in,), {}),
             ], True, h * db, h * db, seg_in)
             seg_in = last

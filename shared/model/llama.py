@@ -3,8 +3,8 @@
 Weights are held per segment (``embed``, ``attn[l]``, ``mlp[l]``, ``head``) so that a device can hold only some
 segments (a guest running ``mlp[l]`` of another tenant's model). A segment's code path does not depend on which
 other segments are present, so a segment gives bit-identical results in a full and in a partial model.
-Internally q/k/v and gate/up are fused and matrices stored [in, out] (x @ w); :meth:`LlamaModel.segment_state_dict`
-speaks Hugging Face names and shapes.
+Internally q/k/v are fused (gate and up are not) and matrices stored [in, out] (x @ w);
+:meth:`LlamaModel.segment_state_dict` speaks Hugging Face names and shapes.
 """
 from __future__ import annotations
 
@@ -23,21 +23,50 @@ Tensor = torch.Tensor
 
 
 def hf_names(cfg: ModelConfig, segment: str) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names of one segment and their shapes."""
+    """Hugging Face tensor names of one segment and their shapes (biases and q/k norms where the config has
+    them)."""
     kind, layer = parse_segment(segment)
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    q, kv = cfg.q_dim, cfg.kv_dim
     if kind == "embed":
         return {"model.embed_tokens.weight": (v, h)}
     if kind == "head":
         return {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
     p = f"model.layers.{layer}."
     if kind == "attn":
-        return {p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q)}
+        a = p + "self_attn."
+        out = {p + "input_layernorm.weight": (h,), a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h),
+               a + "v_proj.weight": (kv, h), a + "o_proj.weight": (h, q)}
+        if cfg.attention_bias:
+            out.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
+        if cfg.o_bias:
+            out[a + "o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            out.update({a + "q_norm.weight": (cfg.head_dim,), a + "k_norm.weight": (cfg.head_dim,)})
+        return out
     return {p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (i, h),
             p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+
+
+def rope_inv_freq(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Tensor:
+    """RoPE inverse frequencies [head_dim / 2], with the config's scaling (linear, Llama 3's) applied as
+    transformers' ``modeling_rope_utils`` does."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).to(dtype) / hd))
+    rope = cfg.rope
+    if rope["rope_type"] == "linear":
+        inv = inv / rope["factor"]
+    elif rope["rope_type"] == "llama3":
+        factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
 
 
 def _take(cache: Tensor, idx: Tensor | slice, seqs: int = 0) -> Tensor:
@@ -67,7 +96,9 @@ class LlamaModel:
             if s not in all_names:
                 raise KeyError(f"no segment {s!r} in a {cfg.num_hidden_layers}-layer model")
         self.segments: list[str] = [s for s in all_names if s in held]
-        self._w: dict[str, dict[str, Tensor]] = {s: self._empty(s) for s in self.segments}
+        self._w: dict[str, dict[str, Tensor]] = {}
+        for s in self.segments:  # embed comes first: a tied head shares its matrix (never a second [v, h] copy)
+            self._w[s] = self._empty(s)
         if weights is None and segments is None:
             from shared.model.weights import random_state_dict
             weights = random_state_dict(cfg, seed)
@@ -78,7 +109,7 @@ class LlamaModel:
             self._w["head"]["lm_head"] = self._w["embed"]["embed"]
         self._nh, self._kvh, self._hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self._scale = 1.0 / math.sqrt(self._hd)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, self._hd, 2, dtype=torch.float32) / self._hd))
+        inv = rope_inv_freq(cfg)
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos = emb.cos().to(self.device, self.dtype)
@@ -93,14 +124,30 @@ class LlamaModel:
     def _empty(self, segment: str) -> dict[str, Tensor]:
         cfg = self.cfg
         h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        qkv = cfg.q_dim + 2 * cfg.kv_dim
         kind, _ = parse_segment(segment)
         # matrices are stored [in, out] (x @ w): faster than [out, in] for the small-batch decode GEMMs on CPU
         shapes = {"embed": {"embed": (v, h)},
-                  "attn": {"norm": (h,), "qkv": (h, qkv), "o": (cfg.num_attention_heads * cfg.head_dim, h)},
-                  "mlp": {"norm": (h,), "gate_up": (h, 2 * i), "down": (i, h)},
+                  "attn": {"norm": (h,), "qkv": (h, qkv), "o": (cfg.q_dim, h)},
+                  # gate and up apart: two [h, i] GEMMs ran faster than one [h, 2i] (SmolLM2 on this CPU: 33%
+                  # at 8 rows, equal at 1; docs/models.md)
+                  "mlp": {"norm": (h,), "gate": (h, i), "up": (h, i), "down": (i, h)},
                   "head": {"norm": (h,), "lm_head": (v, h)}}[kind]  # [v, h]: may be the tied embedding
-        return {k: torch.zeros(s, dtype=self.dtype, device=self.device) for k, s in shapes.items()}
+        tied = None
+        if kind == "head" and cfg.tie_word_embeddings and "embed" in getattr(self, "_w", {}):
+            tied = self._w["embed"]["embed"]
+            del shapes["lm_head"]
+        if kind == "attn":
+            if cfg.attention_bias:
+                shapes["qkv_b"] = (qkv,)
+            if cfg.o_bias:
+                shapes["o_b"] = (h,)
+            if cfg.qk_norm:
+                shapes["q_norm"], shapes["k_norm"] = (cfg.head_dim,), (cfg.head_dim,)
+        out = {k: torch.zeros(s, dtype=self.dtype, device=self.device) for k, s in shapes.items()}
+        if tied is not None:
+            out["lm_head"] = tied
+        return out
 
     def segment_state_dict(self, name: str) -> dict[str, Tensor]:
         """Weights of one segment under Hugging Face names and shapes (views into this model's tensors,
@@ -112,13 +159,20 @@ class LlamaModel:
         if kind == "head":
             return {names[0]: w["norm"], names[1]: w["lm_head"]}
         if kind == "attn":
-            q, kv = self.cfg.num_attention_heads * self.cfg.head_dim, self.cfg.num_key_value_heads * self.cfg.head_dim
+            q, kv = self.cfg.q_dim, self.cfg.kv_dim
             qkv = w["qkv"].t()
-            return {names[0]: w["norm"], names[1]: qkv[:q], names[2]: qkv[q:q + kv], names[3]: qkv[q + kv:],
-                    names[4]: w["o"].t()}
-        i = self.cfg.intermediate_size
-        gu = w["gate_up"].t()
-        return {names[0]: w["norm"], names[1]: gu[:i], names[2]: gu[i:], names[3]: w["down"].t()}
+            out = {names[0]: w["norm"], names[1]: qkv[:q], names[2]: qkv[q:q + kv], names[3]: qkv[q + kv:],
+                   names[4]: w["o"].t()}
+            rest = iter(names[5:])
+            if "qkv_b" in w:
+                b = w["qkv_b"]
+                out.update({next(rest): b[:q], next(rest): b[q:q + kv], next(rest): b[q + kv:]})
+            if "o_b" in w:
+                out[next(rest)] = w["o_b"]
+            if "q_norm" in w:
+                out.update({next(rest): w["q_norm"], next(rest): w["k_norm"]})
+            return out
+        return {names[0]: w["norm"], names[1]: w["gate"].t(), names[2]: w["up"].t(), names[3]: w["down"].t()}
 
     def load_segment(self, name: str, tensors: dict[str, Tensor]) -> None:
         """Install one segment's weights (Hugging Face names); ``ValueError`` naming a missing/mis-shaped tensor."""
@@ -200,20 +254,24 @@ class LlamaModel:
         return weight * xf.to(x.dtype)
 
     def _mlp(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
-        gu = self._rmsnorm(x, w["norm"]) @ w["gate_up"]
-        i = self.cfg.intermediate_size
-        return x + (F.silu(gu[:, :i]) * gu[:, i:]) @ w["down"]
+        n = self._rmsnorm(x, w["norm"])
+        return x + (F.silu(n @ w["gate"]) * (n @ w["up"])) @ w["down"]
 
     def _attn(self, layer: int, w: dict[str, Tensor], x: Tensor, ctx: BatchContext) -> Tensor:
         nh, kvh, hd = self._nh, self._kvh, self._hd
         t = x.shape[0]
-        qkv = (self._rmsnorm(x, w["norm"]) @ w["qkv"]).view(t, nh + 2 * kvh, hd)
+        qkv = self._rmsnorm(x, w["norm"]) @ w["qkv"]
+        if "qkv_b" in w:
+            qkv = qkv + w["qkv_b"]
+        qkv = qkv.view(t, nh + 2 * kvh, hd)
         cos = ctx.rope.get("cos")
         if cos is None:
             cos = ctx.rope["cos"] = self._cos.index_select(0, ctx.positions).unsqueeze(1)
             ctx.rope["sin"] = self._sin.index_select(0, ctx.positions).unsqueeze(1)
         sin = ctx.rope["sin"]
         qk = qkv[:, :nh + kvh]
+        if "q_norm" in w:  # Qwen3: RMSNorm over each head of q and of k, before RoPE
+            qk = self._rmsnorm(qk, torch.cat([w["q_norm"].expand(nh, hd), w["k_norm"].expand(kvh, hd)]))
         # rotate_half(x) * sin == roll(x, hd/2) * (sin with its first half negated): one op fewer
         qk = qk * cos + qk.roll(hd // 2, dims=-1) * sin
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh:]
@@ -246,7 +304,8 @@ class LlamaModel:
                                                enable_gqa=g > 1)  # [1, nh, n, hd]
             parts.append(o[0].transpose(0, 1).reshape(n, nh * hd))
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return x + attn @ w["o"]
+        out = attn @ w["o"]
+        return x + (out + w["o_b"] if "o_b" in w else out)
 
     def _softmax(self, scores: Tensor, bias: Tensor | None) -> Tensor:
         if scores.dtype != torch.float32:
@@ -273,7 +332,7 @@ class LlamaModel:
             return wt * (xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
         pos = torch.arange(t, dtype=torch.float64)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        inv = rope_inv_freq(cfg, torch.float64)
         rot = torch.polar(torch.ones(t, hd // 2, dtype=torch.float64), torch.outer(pos, inv)).to(torch.complex64)
 
         def rope(x: Tensor) -> Tensor:  # x [b, heads, t, hd]; pairs (j, j + hd/2)
@@ -284,17 +343,26 @@ class LlamaModel:
         with torch.inference_mode():
             x = self.segment_state_dict("embed")["model.embed_tokens.weight"][ids]
             for layer in range(cfg.num_hidden_layers):
-                a = dict(zip(("n", "q", "k", "v", "o"), self.segment_state_dict(f"attn[{layer}]").values()))
-                hn = norm(x, a["n"])
-                q = (hn @ a["q"].T).view(b, t, nh, hd).transpose(1, 2)
-                k = (hn @ a["k"].T).view(b, t, kvh, hd).transpose(1, 2)
-                v = (hn @ a["v"].T).view(b, t, kvh, hd).transpose(1, 2)
+                sd = self.segment_state_dict(f"attn[{layer}]")
+                a = {k.split(".", 3)[-1]: v for k, v in sd.items()}  # "self_attn.q_proj.weight", ...
+
+                def proj(inp: Tensor, name: str) -> Tensor:
+                    y = inp @ a[f"self_attn.{name}.weight"].T
+                    bias = a.get(f"self_attn.{name}.bias")
+                    return y if bias is None else y + bias
+
+                hn = norm(x, a["input_layernorm.weight"])
+                q = proj(hn, "q_proj").view(b, t, nh, hd).transpose(1, 2)
+                k = proj(hn, "k_proj").view(b, t, kvh, hd).transpose(1, 2)
+                v = proj(hn, "v_proj").view(b, t, kvh, hd).transpose(1, 2)
+                if cfg.qk_norm:
+                    q, k = norm(q, a["self_attn.q_norm.weight"]), norm(k, a["self_attn.k_norm.weight"])
                 q, k = rope(q), rope(k)
                 k, v = k.repeat_interleave(nh // kvh, dim=1), v.repeat_interleave(nh // kvh, dim=1)
                 sc = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(hd)
                 pr = sc.masked_fill(~causal, float("-inf")).softmax(-1).to(x.dtype)
                 o = (pr @ v).transpose(1, 2).reshape(b, t, nh * hd)
-                x = x + o @ a["o"].T
+                x = x + proj(o, "o_proj")
                 m = dict(zip(("n", "g", "u", "d"), self.segment_state_dict(f"mlp[{layer}]").values()))
                 hn = norm(x, m["n"])
                 x = x + (F.silu(hn @ m["g"].T) * (hn @ m["u"].T)) @ m["d"].T

@@ -15,7 +15,7 @@ log = structlog.get_logger(__name__)
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu") -> tuple[LlamaModel, Tokenizer]:
     """A checkpoint spec loads its directory; a preset/config spec gets seeded random weights (``spec.seed``)."""
     if spec.checkpoint:
-        model = load_checkpoint(spec.checkpoint, device)
+        model = load_checkpoint(spec.checkpoint, device, cfg=spec.config)  # the tenant's dtype / context
         source = "checkpoint"
     else:
         model = LlamaModel(spec.config, device, seed=spec.seed)

@@ -116,7 +116,7 @@ def test_redis_runs_protected_on_loopback(mesh):
 
 
 async def test_dev_keys_never_reach_a_file_of_the_run(mesh):
-    keys = dev_api_keys(REPO_CONFIGS / "tenants.yaml")
+    keys = dev_api_keys(REPO_CONFIGS / "tenants-tiny.yaml")
     assert keys["tiny-a"] and keys["tiny-b"]
     async with aiohttp.ClientSession() as s:
         for tenant, tk in keys.items():

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.e2e
 
 
 def _launcher(tmp_path: Path, port: int) -> Launcher:
-    cluster_file = REPO_CONFIGS / "cluster.yaml"
+    cluster_file = REPO_CONFIGS / "cluster-tiny.yaml"
     return Launcher(load_cluster(cluster_file), cluster_file=str(cluster_file),
-                    tenants_file=str(REPO_CONFIGS / "tenants.yaml"), data_dir=tmp_path, gateway_port=port)
+                    tenants_file=str(REPO_CONFIGS / "tenants-tiny.yaml"), data_dir=tmp_path, gateway_port=port)
 
 
 def _all_stopped(lz: Launcher) -> bool:

@@ -43,8 +43,8 @@ class FaultyEngine(Engine):
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_row18_engine_exception(redis_url, prefix, seed):
     res = RowResult("18", "engine exception during generation", seed=seed)
-    cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
-    tenants = load_tenants(REPO_CONFIGS / "tenants.yaml", cluster)
+    cluster = load_cluster(REPO_CONFIGS / "cluster-tiny.yaml")
+    tenants = load_tenants(REPO_CONFIGS / "tenants-tiny.yaml", cluster)
     settings = Settings(redis_url=redis_url, prefix=prefix)
     device, tenant = cluster.device("cpu0"), tenants.get("tiny-a")
     model, tok = build_model(tenant.model, "cpu")

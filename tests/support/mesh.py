@@ -37,16 +37,25 @@ class Mesh:
         return [int(r.hget(k, "pid")) for k in r.scan_iter(match=f"{self.prefix}health:*") if r.hget(k, "pid")]
 
 
+TINY = ["--cluster", str(REPO / "configs" / "cluster-tiny.yaml"), "--tenants", str(REPO / "configs" / "tenants-tiny.yaml")]
+
+
 def start_mesh(tmp: Path, *, extra_args: list[str] | None = None, env: dict | None = None,
                timeout_s: float = 240, redis_cluster: int = 0) -> Mesh:
+    """``slicesched up`` on the tiny random-weight tenants (configs/*-tiny.yaml) unless ``extra_args`` name a
+    cluster or tenants file; ``redis_cluster`` N starts a private Redis Cluster of N masters."""
     prefix = "e2e:"
+    extra = list(extra_args or [])
+    for flag, value in zip(TINY[::2], TINY[1::2]):
+        if flag not in extra:
+            extra += [flag, value]
     if redis_cluster:
-        extra_args = [*(extra_args or []), "--redis-cluster", str(redis_cluster)]
+        extra += ["--redis-cluster", str(redis_cluster)]
     e = dict(os.environ)
     e.pop("REDIS_URL", None)
     e.update(env or {})
     proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", "--port", "0", "--data-dir", str(tmp),
-                             "--prefix", prefix, *(extra_args or [])], cwd=REPO, env=e, stdout=subprocess.PIPE,
+                             "--prefix", prefix, *extra], cwd=REPO, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     lines = []

@@ -65,9 +65,10 @@ async def test_completion_json(gw):
 
 
 async def test_completion_default_max_tokens_and_prompt_forms(gw):
-    st, _, raw = await post(gw.url, "/v1/completions", {"model": "ta", "prompt": [1, 2, 3]})
-    assert st == 200 and json.loads(raw)["usage"] == {"prompt_tokens": 4, "completion_tokens": 16,
-                                                      "total_tokens": 20}
+    st, h, raw = await post(gw.url, "/v1/completions", {"model": "ta", "prompt": [1, 2, 3]})
+    assert st == 200 and json.loads(raw)["usage"] == {"prompt_tokens": 3, "completion_tokens": 16,
+                                                      "total_tokens": 19}  # token ids are taken as given
+    assert gw.responder.requests[h["X-Request-Id"]].prompt_ids == [1, 2, 3]
     st, h, raw = await post(gw.url, "/v1/completions", {"model": "ta", "prompt": ["hi"], "max_tokens": 2})
     assert st == 200 and gw.responder.requests[h["X-Request-Id"]].prompt_ids == [BOS, *b"hi"]
 

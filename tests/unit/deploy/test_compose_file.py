@@ -105,7 +105,7 @@ def _check_homes(cluster, tenants) -> None:
 
 def test_one_cpu_worker_per_device_of_the_cluster_config():
     services = _compose()["services"]
-    repo_cluster = load_cluster(REPO / "configs" / "cluster.yaml")
+    repo_cluster = load_cluster(REPO / "configs" / "cluster-tiny.yaml")
     cpu_workers = sorted(n.removeprefix("worker-") for n in services
                          if n.startswith("worker-") and "profiles" not in services[n])
     assert cpu_workers == sorted(d.id for d in repo_cluster.devices)
@@ -117,7 +117,7 @@ def test_one_cpu_worker_per_device_of_the_cluster_config():
         assert mine.host == f"worker-{mine.id}"
         assert dataclasses.replace(mine, host=repo.host) == repo
     tenants = load_tenants(REPO / "deploy" / "compose" / "cpu" / "tenants.yaml", cluster)
-    assert tenants.tenants == load_tenants(REPO / "configs" / "tenants.yaml", repo_cluster).tenants
+    assert tenants.tenants == load_tenants(REPO / "configs" / "tenants-tiny.yaml", repo_cluster).tenants
     _check_homes(cluster, tenants)
 
 

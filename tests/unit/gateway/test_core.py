@@ -6,7 +6,9 @@ import json
 import pytest
 
 from services.gateway.core import (ApiError, GatewayLimits, KeyIndex, ParsedRequest, check_content_type,
-                                   check_context, check_token_ids, decode_json, parse_request, render_prompt)
+                                   decode_json, parse_request)
+from services.gateway.prompt import check_context, check_token_ids, render_prompt, with_model_defaults
+from shared.model.hf_config import GenerationDefaults
 from shared.config import ConfigError, parse_tenants
 from shared.model.config import PRESETS
 from shared.model.tokenizer import load_tokenizer
@@ -32,8 +34,16 @@ def bad(body, chat=False) -> ApiError:
 # ---------------------------------------------------------------- valid requests
 def test_completion_defaults():
     p = parse_request({"model": "ta", "prompt": "hi"}, chat=False)
-    assert (p.model, p.prompt_text, p.prompt_ids, p.max_tokens, p.temperature, p.top_p) == ("ta", "hi", None, 16, 1.0,
-                                                                                           1.0)
+    # sampling fields left out stay None until the model's generation defaults (or the API's) fill them in
+    assert (p.model, p.prompt_text, p.prompt_ids, p.max_tokens, p.temperature, p.top_p) == ("ta", "hi", None, 16,
+                                                                                           None, None)
+    d = with_model_defaults(p, GenerationDefaults())
+    assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.logprobs) == (1.0, 1.0, 0, 1.0, None)
+    g = with_model_defaults(p, GenerationDefaults(temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1))
+    assert (g.temperature, g.top_p, g.top_k, g.repetition_penalty) == (0.6, 0.95, 20, 1.1)
+    q = parse_request({"model": "ta", "prompt": "hi", "temperature": 0, "top_k": -1}, chat=False)
+    assert with_model_defaults(q, GenerationDefaults(temperature=0.6, top_k=20)).temperature == 0.0
+    assert with_model_defaults(q, GenerationDefaults(temperature=0.6, top_k=20)).top_k == 0
     assert (p.stream, p.include_usage, p.stop, p.seed, p.ignore_eos) == (False, False, (), None, False)
 
 
@@ -101,7 +111,13 @@ def test_chat_messages_and_max_completion_tokens():
     ({"model": "ta", "prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "invalid_type"),
     ({"model": "ta", "prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
     ({"model": "ta", "prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
-    ({"model": "ta", "prompt": "x", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ({"model": "ta", "prompt": "x", "logprobs": 21}, "logprobs", "invalid_value"),
+    ({"model": "ta", "prompt": "x", "logprobs": True}, "logprobs", "invalid_type"),
+    ({"model": "ta", "prompt": "x", "top_k": -2}, "top_k", "invalid_value"),
+    ({"model": "ta", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({"model": "ta", "prompt": "x", "frequency_penalty": "1"}, "frequency_penalty", "invalid_type"),
+    ({"model": "ta", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({"model": "ta", "prompt": "x", "stop_token_ids": [1, -1]}, "stop_token_ids[1]", "invalid_type"),
     ({"model": "ta", "prompt": "x", "suffix": "s"}, "suffix", "unsupported_parameter"),
 ])
 def test_bad_completion_fields(body, param, code):
@@ -250,3 +266,20 @@ def test_limits_reject_bad_env(name, value):
 def test_error_body_is_json_serialisable():
     e = ApiError(429, "slow down", type="rate_limit_error", code="queue_full", retry_after_s=3)
     assert json.loads(json.dumps(e.body()))["error"]["code"] == "queue_full" and e.headers() == {"Retry-After": "3"}
+
+
+def test_logprobs_fields_of_completions_and_chat():
+    assert parse_request({"model": "ta", "prompt": "x", "logprobs": 3}, chat=False).logprobs == 3
+    assert parse_request({"model": "ta", "prompt": "x", "logprobs": 0}, chat=False).logprobs == 0
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse_request({"model": "ta", "messages": msgs, "logprobs": True, "top_logprobs": 5}, chat=True).logprobs == 5
+    assert parse_request({"model": "ta", "messages": msgs, "logprobs": True}, chat=True).logprobs == 0
+    assert parse_request({"model": "ta", "messages": msgs, "logprobs": False}, chat=True).logprobs is None
+    e = bad({"model": "ta", "messages": msgs, "top_logprobs": 2}, chat=True)
+    assert (e.param, e.code) == ("top_logprobs", "invalid_value")
+    e = bad({"model": "ta", "messages": msgs, "logprobs": 2}, chat=True)
+    assert (e.param, e.code) == ("logprobs", "invalid_type")
+    p = parse_request({"model": "ta", "prompt": "x", "top_k": 40, "presence_penalty": -1, "frequency_penalty": 0.5,
+                       "repetition_penalty": 1.2, "stop_token_ids": [7]}, chat=False)
+    assert (p.top_k, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.stop_token_ids) == \
+        (40, -1.0, 0.5, 1.2, (7,))

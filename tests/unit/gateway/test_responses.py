@@ -73,3 +73,28 @@ def test_mesh_errors_map_to_http():
     assert (e.status, e.type, e.retry_after_s) == (504, "timeout_error", None)
     assert error_from_mesh(200, "odd", "m", False).status == 500  # a non-error status is an internal error
     assert error_from_mesh(400, "", "", False).code == "internal_error"
+
+
+def test_logprobs_objects_for_completions_and_chat():
+    from services.gateway.responses import logprobs_object
+    from shared.model.config import PRESETS
+    from shared.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(PRESETS["tiny"])
+    lps = [(-0.5, [(104, -0.5), (105, -1.5)]), (float("-inf"), [(33, -0.1)])]
+    c = logprobs_object(tok, [104, 105], lps, chat=False)
+    assert c == {"tokens": ["h", "i"], "token_logprobs": [-0.5, -9999.0],
+                 "top_logprobs": [{"h": -0.5, "i": -1.5}, {"!": -0.1}], "text_offset": [0, 1]}
+    b = completion_body(request_id="r1", chat=False, created=5, model="ta", text="hi", finish="length",
+                        prompt_tokens=2, completion_tokens=2, logprobs=c)
+    validate(b, "Completion")
+    ch = logprobs_object(tok, [104, 105], lps, chat=True)
+    assert ch["content"][0] == {"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": [
+        {"token": "h", "logprob": -0.5, "bytes": [104]}, {"token": "i", "logprob": -1.5, "bytes": [105]}]}
+    b = completion_body(request_id="r1", chat=True, created=5, model="ta", text="hi", finish="stop",
+                        prompt_tokens=2, completion_tokens=2, logprobs=ch)
+    validate(b, "ChatCompletion")
+    assert logprobs_object(tok, [104], [], chat=True) is None
+    ev = events([StreamShaper(request_id="r", chat=True, created=1, model="ta", include_usage=False)
+                 .delta("h", logprobs_object(tok, [104], lps[:1], chat=True))])
+    assert ev[0]["choices"][0]["logprobs"]["content"][0]["token"] == "h"

@@ -40,7 +40,7 @@ def test_tokenizer_synthesizer_exact(tmp_path):
 def test_synthesizer_for_tenants(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
-    (ck / "config.json").write_text('{"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, '
+    (ck / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, '
                                     '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}')
     bpe_tokenizer(ck / "tokenizer.json")
     cfg = parse_tenants({"tenants": [
@@ -51,3 +51,14 @@ def test_synthesizer_for_tenants(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="cannot load tokenizer"):
         TokenizerSynthesizer(tmp_path / "bad.json")
+
+
+def test_synthesizer_for_the_default_gguf_tenants_counts_like_the_server():
+    from shared.config import REPO_CONFIGS, load_cluster, load_tenants
+    from shared.model.tokenizer import load_tokenizer
+    t = load_tenants(REPO_CONFIGS / "tenants.yaml", load_cluster(REPO_CONFIGS / "cluster.yaml")).tenants[0]
+    s = synthesizer_for(t)
+    tok = load_tokenizer(t.model.checkpoint, t.model.config)
+    assert isinstance(s, TokenizerSynthesizer)
+    for n in (3, 64, 301):
+        assert len(tok.encode_prompt(s.prompt(n, salt=n))) == n

@@ -1,6 +1,7 @@
 """Fixtures for the model tests: small configs, a trained byte-level BPE tokenizer and a tiny checkpoint."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from shared.model.config import PRESETS, ModelConfig
 from shared.model.llama import LlamaModel
 from shared.model.weights import save_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_reference.py, shared by the exactness tests
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

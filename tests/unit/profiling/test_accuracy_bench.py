@@ -23,8 +23,8 @@ RAW = Path(__file__).parent / "data" / "accuracy_raw_short.json"
 
 @pytest.fixture(scope="module")
 def mesh_cfg():
-    cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
-    return cluster, load_tenants(REPO_CONFIGS / "tenants.yaml", cluster)
+    cluster = load_cluster(REPO_CONFIGS / "cluster-tiny.yaml")
+    return cluster, load_tenants(REPO_CONFIGS / "tenants-tiny.yaml", cluster)
 
 
 def _meas(**kw) -> MeshMeasurement:

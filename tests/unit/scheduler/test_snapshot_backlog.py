@@ -33,8 +33,8 @@ def test_guest_lane_backlog_is_the_heartbeat_plus_later_placements():
 
 
 def test_snapshot_counts_the_workers_backlog():
-    cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
-    tenants = load_tenants(REPO_CONFIGS / "tenants.yaml", cluster)
+    cluster = load_cluster(REPO_CONFIGS / "cluster-tiny.yaml")
+    tenants = load_tenants(REPO_CONFIGS / "tenants-tiny.yaml", cluster)
     core = SchedulerCore(cluster, tenants, load_live_policy("container"))
     views = {d.id: DeviceView(d.id, True, 10**9, 0) for d in cluster.devices}
     views["cpu0"].on_heartbeat(100.0, queued=5, prefill_tokens=900, oldest_ts=97.0)
@@ -49,7 +49,7 @@ def test_snapshot_counts_the_workers_backlog():
 
 
 def test_cluster_policy_parameters_and_their_override():
-    cluster = load_cluster(REPO_CONFIGS / "cluster.yaml")
+    cluster = load_cluster(REPO_CONFIGS / "cluster-tiny.yaml")
     base = cluster.policy_params.get("slice")
     # the CPU default leases whole sequences only, each for 5 s (a CPU segment RPC costs milliseconds)
     assert base == {"segments": False, "sequence_lease_s": 5.0}

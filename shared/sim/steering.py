@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from shared.costmodel import CorrectionTable, ModelCost, load_profile
+from shared.costmodel import CorrectionTable, ModelCost, cost_for
 from shared.policies.snapshot import ClusterSnapshot, TenantState
 from shared.sim.whatif import WhatIf
 
@@ -120,7 +120,7 @@ class CorrectedWhatIf(WhatIf):
         key = (tenant.model, kind)
         hit = self._cache.get(key)
         if hit is None or hit[0] != corr:  # rebuilt only when a factor moved
-            hit = self._cache[key] = (corr, ModelCost(tenant.model, load_profile(kind), dict(corr)))
+            hit = self._cache[key] = (corr, cost_for(tenant.model, kind).with_correction(dict(corr)))
         return hit[1]
 
 

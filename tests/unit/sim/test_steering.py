@@ -96,3 +96,23 @@ def test_forecast_marks_devices_predicted_busy(world):
     assert steer_snapshot(s, copy) == [idle[0].id]
     assert idle[0].busy and idle[0].busy_until_s == pytest.approx(s.now + 1.2)
     assert not idle[1].busy  # predicted mostly idle: left as the scheduler sees it
+
+
+def test_cost_with_correction_matches_a_fresh_one_and_leaves_the_base_alone(world):
+    from shared.costmodel import ModelCost, cost_for, load_profile
+
+    _, tenants = world
+    cfg = tenants.get("t00").model.config
+    base = cost_for(cfg, "h100-80gb")
+    plain = [base.iteration_time(16, 16 * 900), base.iteration_time(4, 2000, 512, 512 * 513 // 2, 512),
+             base.prefill_time(1500)]
+    corr = {"mlp": 1.7, "attn": 0.8, "mlp@16": 2.2, "attn@512": 1.3}
+    quick = base.with_correction(corr)
+    fresh = ModelCost(cfg, load_profile("h100-80gb"), corr)
+    assert quick.graph is base.graph
+    for args in ((16, 16 * 900), (4, 2000, 512, 512 * 513 // 2, 512), (1, 300)):
+        assert quick.iteration_time(*args) == pytest.approx(fresh.iteration_time(*args), rel=1e-12)
+    assert quick.prefill_time(1500) == pytest.approx(fresh.prefill_time(1500), rel=1e-12)
+    assert quick.iteration_time(16, 16 * 900) > plain[0]
+    assert [base.iteration_time(16, 16 * 900), base.iteration_time(4, 2000, 512, 512 * 513 // 2, 512),
+            base.prefill_time(1500)] == plain

@@ -250,3 +250,22 @@ def test_an_interrupt_stops_every_search_and_its_subprocesses(monkeypatch):
     with pytest.raises(RuntimeError, match="interrupted"):
         bench_compare.CHILDREN.run(["true"], Path("."))
     bench_compare.CHILDREN.stopping.clear()
+
+
+def test_sim_steering_setting_per_mesh_point(files, capsys):
+    """``--sim-steering both`` searches each policy with and without the simulator's steering (the points alternate
+    like two policies'); each point's scheduler gets SLICESCHED_SIM_STEERING accordingly; the simulator fidelity
+    refuses the option."""
+    import argparse
+
+    from bench.compare_mesh import steering_env
+
+    assert steering_env(argparse.Namespace(sim_steering="both"), "slice/steering-off") == (
+        "slice", {"SLICESCHED_SIM_STEERING": "0"})
+    assert steering_env(argparse.Namespace(sim_steering="both"), "slice/steering-on") == (
+        "slice", {"SLICESCHED_SIM_STEERING": "1"})
+    assert steering_env(argparse.Namespace(sim_steering="off"), "slice") == ("slice", {"SLICESCHED_SIM_STEERING": "0"})
+    assert steering_env(argparse.Namespace(sim_steering=None), "container") == ("container", {})
+    rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--policies", "slice", "--sim-steering", "both"])
+    assert rc == 2 and "mesh fidelities" in _one_line_error(capsys)

@@ -167,7 +167,8 @@ class SimulatorService:
         now = time.time() if now is None else now
         key = sim_steering_key(self.p)
         if self._steer_version is None:  # continue after a restart's last version, so readers see a change
-            self._steer_version = int(await self.redis.hget(key, "version") or 0)
+            raw = await self.redis.hget(key, "version")
+            self._steer_version = int(raw) if raw and raw.isdigit() else 0
         copy = self.core.steering_copy(self._steer_version + 1, now)
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(key)

@@ -36,6 +36,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "results": ("bench.bench_results", "regenerate docs/results.md and the README headline"),
     "overload": ("bench.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
     "costmodel": ("bench.bench_costmodel", "GPU cost model vs measured H100/A100 timings (Vidur); --fit-out"),
+    "steering": ("bench.bench_steering", "a policy on a mesh with and without the simulator's steering, paired"),
 }
 
 

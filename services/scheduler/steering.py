@@ -37,7 +37,8 @@ def steering_settings(env=None) -> tuple[bool, float]:
 
 class SteeringFollower:
     """Keeps the copy in use (``copy``; None: uncorrected, no forecast) and its state: ``in_use``, ``absent`` (no
-    copy published), ``stale`` (unchanged for ``stale_after_s``), ``bad`` (malformed) or ``off``."""
+    copy published), ``stale`` (unchanged for ``stale_after_s``), ``bad`` (malformed), ``off``, or ``starting``
+    (not polled yet)."""
 
     def __init__(self, redis, prefix: str, whatif: CorrectedWhatIf | None, *, enabled: bool = True,
                  stale_after_s: float = STALE_AFTER_S, registry: CollectorRegistry | None = None,
@@ -46,7 +47,7 @@ class SteeringFollower:
         self.enabled, self.stale_after_s = enabled, stale_after_s
         self.clock, self.wall = clock, wall
         self.copy: SteeringCopy | None = None
-        self.state = "absent" if enabled else "off"
+        self.state = "starting" if enabled else "off"  # the first poll logs what the what-if starts with
         self._seen: int | None = None  # newest version read
         self._latest: SteeringCopy | None = None  # the copy of that version
         self._seen_at = 0.0  # monotonic time it was first read, less its age then

@@ -269,3 +269,9 @@ def test_sim_steering_setting_per_mesh_point(files, capsys):
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
                "--policies", "slice", "--sim-steering", "both"])
     assert rc == 2 and "mesh fidelities" in _one_line_error(capsys)
+
+
+def test_bench_steering_refuses_bad_scales(files, capsys):
+    rc = main(["bench", "steering", "--fidelity", "emulated", "--workload", str(files / "w.yaml"),
+               "--cluster", str(files / "cluster.yaml"), "--scales", "2,x"])
+    assert rc == 2 and "--scales" in _one_line_error(capsys)

@@ -35,10 +35,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="slice")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--steering-copy", action="store_true",
-                   help="decide with a synthetic sim:steering copy in use (correction factors for every segment kind "
-                        "and tokens bucket, a forecast for every device), a new version every "
-                        f"{STEER_EVERY} decisions, as when the simulator service steers; also times the scheduler's "
-                        "poll of the copy (not part of a decision)")
+                   help="decide with a synthetic sim:steering copy in use (factors for every segment kind and tokens "
+                        "bucket, 1.00 and 1.01 by turns, and a forecast for every device), a new version every "
+                        f"{STEER_EVERY} decisions, as when the simulator service steers: what taking up the "
+                        "simulator's copies costs the decisions; also times the scheduler's poll of the copy (not "
+                        "part of a decision)")
     p.add_argument("--json", dest="json_out", default=None)
 
 
@@ -160,11 +161,15 @@ class _SteeringCopies:
         from shared.sim.steering import SteeringCopy
 
         rng, self.version = self.rng, self.version + 1
-        ops = {k: round(rng.uniform(0.8, 2.0), 2) for k in ("embed", "attn", "mlp", "head")}
-        ops |= {f"{k}@{b}": round(rng.uniform(0.8, 2.0), 2) for k in ("attn", "mlp") for b in self.BUCKETS}
+        # factors 1.00 and 1.01 by turns: every version makes the what-if rebuild its costs (the mechanism's whole
+        # cost) while the decisions stay those of the uncorrected model, so their commits are comparable; busy
+        # ratios under the threshold (nothing marked) for the same reason
+        f = 1.0 + 0.01 * (self.version % 2)
+        ops = {k: f for k in ("embed", "attn", "mlp", "head")}
+        ops |= {f"{k}@{b}": f for k in ("attn", "mlp") for b in self.BUCKETS}
         copy = SteeringCopy(version=self.version, ts=time.time(),
                             factors={kind: ops for kind in {d.kind for d in self.cluster.devices}},
-                            busy={d.id: rng.random() for d in self.cluster.devices},
+                            busy={d.id: rng.uniform(0.0, 0.45) for d in self.cluster.devices},
                             next_idle_s={d.id: rng.uniform(0, 2) for d in self.cluster.devices})
         r = self.svc.redis
         pipe = r.pipeline(transaction=True)

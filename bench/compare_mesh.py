@@ -61,8 +61,8 @@ def _scheduler_metrics(redis_url: str, prefix: str) -> tuple[dict[str, float], d
     out = {}
     for m in re.finditer(r'^slicesched_leases_total\{event="(\w+)"\} ([0-9.e+]+)$', text, re.M):
         out[m.group(1)] = float(m.group(2))
-    steer = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^slicesched_scheduler_sim_steering_(version|factors|age_seconds) ([0-9.e+-]+|NaN)$', text, re.M)}
+    steer = {m.group(1): float(m.group(2)) for m in re.finditer(  # (age: NaN, left out, when none was seen)
+        r'^slicesched_scheduler_sim_steering_(version|factors|age_seconds) ([0-9.e+-]+)$', text, re.M)}
     return out, steer
 
 

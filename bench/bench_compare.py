@@ -39,6 +39,7 @@ FIDELITIES: dict[str, str] = {"sim": "bench.bench_compare:run_sim_point",
                               "emulated": "bench.compare_mesh:run_emulated_point",
                               "real": "bench.compare_mesh:run_real_point"}
 SERIAL_FIDELITIES = {"emulated", "real"}  # one mesh at a time on this machine; the policies' points alternate
+STEERING = ("on", "off", "both")  # --sim-steering; "both" searches <policy>/steering-on and <policy>/steering-off
 
 
 class _Children:
@@ -133,6 +134,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "containers file")
     p.add_argument("--confirm", type=int, default=None,
                    help="passes a reported point needs (replays until then; default 2 for --fidelity real, else 1)")
+    p.add_argument("--sim-steering", choices=STEERING, default=None,
+                   help="mesh fidelities: the scheduler's what-if with the simulator service's learned corrections "
+                        "and forecasts (on), without (off, SLICESCHED_SIM_STEERING=0), or each policy searched both "
+                        "ways, their points alternating (both: policies named <policy>/steering-on and "
+                        "<policy>/steering-off); default: as the environment says")
     p.add_argument("--json", dest="json_out", default=None)
 
 
@@ -148,7 +154,7 @@ def point_summary(r: dict[str, Any]) -> dict[str, Any]:
     counted = [(v["violation_rate"], n) for n, v in tenants.items() if v["requests"] >= MIN_TENANT_REQUESTS]
     worst = max(counted) if counted else (0.0, None)
     out = {k: r[k] for k in ("tokens_per_s", "violation_rate", "events", "wall_s", "leases", "cpu_s",
-                             "stopped_early") if k in r}
+                             "stopped_early", "steering") if k in r}
     out.update(worst_tenant=worst[1], worst_tenant_violation_rate=worst[0], tenants=tenants)
     if "total" in r and "device_utilization_mean" in r["total"]:
         out["device_utilization_mean"] = r["total"]["device_utilization_mean"]
@@ -370,7 +376,7 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
             with lock:
                 log.append({"policy": policy, "seed": seed, "scale": scale,
                             **{k: r[k] for k in ("tokens_per_s", "violation_rate", "worst_tenant_violation_rate",
-                                                 "stopped_early", "wall_s", "cpu_s") if k in r}})
+                                                 "stopped_early", "wall_s", "cpu_s", "steering") if k in r}})
                 stop = " (stopped early)" if r.get("stopped_early") else ""
                 print(f"  {policy:18s} seed {seed} scale {scale:8.3f}: violations {r['violation_rate'] * 100:6.2f}% "
                       f"(worst tenant {100 * (r.get('worst_tenant_violation_rate') or 0):6.2f}%)  "
@@ -404,6 +410,7 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
                            "tuning_seeds": containers.get("tuning_seeds"),
                            "duration_s": args.duration_s, "scale_mode": getattr(args, "scale_mode", None),
                            "containers": containers, "confirm": confirm_of(args),
+                           "sim_steering": getattr(args, "sim_steering", None),
                            "wall_s": time.perf_counter() - t0, "per_seed": per_seed}
     res["ratio_to_container"] = median_of(per_seed, "ratio_to_container")
     res["pooled_gain_captured"] = median_of(per_seed, "pooled_gain_captured")
@@ -496,6 +503,11 @@ def run(args: argparse.Namespace) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         return _usage(f"unknown policy {', '.join(bad) or '(none)'}; valid: {', '.join(POLICIES.names())}")
+    steering = getattr(args, "sim_steering", None)
+    if steering and args.fidelity == "sim":
+        return _usage("--sim-steering is for the mesh fidelities (the simulator service steers a live scheduler)")
+    if steering == "both":
+        policies = [f"{p}/steering-{v}" for p in policies for v in ("on", "off")]
     if args.confirm is not None and args.confirm < 1:
         return _usage(f"--confirm must be at least 1 (got {args.confirm})")
     if args.seeds and args.seed is not None:

@@ -34,7 +34,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "imports, caches); the first decision's time is reported on its own")
     p.add_argument("--policy", default="slice")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steering-copy", action="store_true",
+                   help="decide with a synthetic sim:steering copy in use (factors for every segment kind and tokens "
+                        "bucket, 1.00 and 1.01 by turns, and a forecast for every device), a new version every "
+                        f"{STEER_EVERY} decisions, as when the simulator service steers: what taking up the "
+                        "simulator's copies costs the decisions; also times the scheduler's poll of the copy (not "
+                        "part of a decision)")
     p.add_argument("--json", dest="json_out", default=None)
+
+
+STEER_EVERY = 5  # decisions between two steering copies (live: a copy every 0.5 s, a tick every 0.2 s + arrivals)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -52,10 +61,10 @@ async def _bench(args: argparse.Namespace, redis_url: str) -> dict:
     from shared.messages import InferenceRequest
     from shared.policies import Trigger
 
-    cluster = load_cluster(args.cluster)
-    cluster = replace(cluster, devices=cluster.devices[: args.devices])
+    full = load_cluster(args.cluster)
+    cluster = replace(full, devices=full.devices[: args.devices])
     ids = {d.id for d in cluster.devices}
-    tenants_all = load_tenants(args.tenants_file)
+    tenants_all = load_tenants(args.tenants_file, full)  # per-request SLAs are priced on the home devices' kind
     kept = [t for t in tenants_all.tenants if set(t.home_devices) <= ids][: args.tenants]
     tenants = TenantsConfig(tuple(kept), tenants_all.source)
     settings = Settings(redis_url=redis_url, prefix="bench:")
@@ -65,6 +74,9 @@ async def _bench(args: argparse.Namespace, redis_url: str) -> dict:
     for v in svc.devices.values():
         v.up = True
     rng = random.Random(args.seed)
+    copies = _SteeringCopies(svc, cluster, random.Random(args.seed + 1)) if args.steering_copy else None
+    if copies is not None:
+        await copies.next()
     now = time.time()
     behind = [t.name for t in kept[: max(1, len(kept) // 4)]]  # a quarter of the tenants are behind
     for t in behind:
@@ -78,8 +90,10 @@ async def _bench(args: argparse.Namespace, redis_url: str) -> dict:
     for i in range(-args.warmup, args.decisions):
         t = rng.choice(behind)
         dev = rng.choice(tenants.get(t).home_devices)
+        if copies is not None and i % STEER_EVERY == 0:  # new factors: the next decision prices with fresh costs
+            await copies.next()
         t0 = time.perf_counter()
-        snap = svc.snapshot()
+        snap = svc.decision_snapshot()
         t1 = time.perf_counter()
         actions = svc.core.policy.decide(Trigger("arrival", tenant=t, device=dev), snap, svc.whatif) \
             if svc.whatif is not None else []
@@ -125,7 +139,60 @@ async def _bench(args: argparse.Namespace, redis_url: str) -> dict:
             "admission_p50_ms": _pct(admit_ms, 0.5), "admission_p99_ms": _pct(admit_ms, 0.99),
             "committed_phases_p50_ms": {k: _pct(v, 0.5) for k, v in phases.items()},
             "committed_phases_p99_ms": {k: _pct(v, 0.99) for k, v in phases.items()},
-            "leases_per_committed_decision": granted_timed / max(1, len(committed_ms))}
+            "leases_per_committed_decision": granted_timed / max(1, len(committed_ms)),
+            "steering": copies.summary(STEER_EVERY) if copies else {"state": svc.steering.state}}
+
+
+class _SteeringCopies:
+    """Synthetic ``sim:steering`` copies (correction factors for every segment kind and tokens bucket, a forecast
+    for every device), published one version after another, and the scheduler's poll of each, timed (read and
+    apply) as well as a poll that finds the version unchanged."""
+
+    BUCKETS = [2 ** i for i in range(12)]
+
+    def __init__(self, svc, cluster, rng: random.Random) -> None:
+        self.svc, self.cluster, self.rng = svc, cluster, rng
+        self.version = 0
+        self.changed: list[float] = []
+        self.unchanged: list[float] = []
+
+    async def next(self) -> str:
+        from shared.messages import sim_steering_key
+        from shared.sim.steering import SteeringCopy
+
+        rng, self.version = self.rng, self.version + 1
+        # factors 1.00 and 1.01 by turns: every version makes the what-if rebuild its costs (the mechanism's whole
+        # cost) while the decisions stay those of the uncorrected model, so their commits are comparable; busy
+        # ratios under the threshold (nothing marked) for the same reason
+        f = 1.0 + 0.01 * (self.version % 2)
+        ops = {k: f for k in ("embed", "attn", "mlp", "head")}
+        ops |= {f"{k}@{b}": f for k in ("attn", "mlp") for b in self.BUCKETS}
+        copy = SteeringCopy(version=self.version, ts=time.time(),
+                            factors={kind: ops for kind in {d.kind for d in self.cluster.devices}},
+                            busy={d.id: rng.uniform(0.0, 0.45) for d in self.cluster.devices},
+                            next_idle_s={d.id: rng.uniform(0, 2) for d in self.cluster.devices})
+        r = self.svc.redis
+        pipe = r.pipeline(transaction=True)
+        pipe.delete(sim_steering_key(self.svc.p))
+        pipe.hset(sim_steering_key(self.svc.p), mapping=copy.to_fields())
+        await pipe.execute()
+        t0 = time.perf_counter()
+        state = await self.svc.steering.poll()
+        self.changed.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        await self.svc.steering.poll()
+        self.unchanged.append((time.perf_counter() - t0) * 1e3)
+        if state != "in_use":
+            raise RuntimeError(f"the scheduler did not take the steering copy up (state {state})")
+        return state
+
+    def summary(self, every: int) -> dict:
+        st = self.svc.steering
+        return {"state": st.state, "versions": self.version, "new_version_every_decisions": every,
+                "factors": sum(len(o) for o in st.copy.factors.values()) if st.copy else 0,
+                "poll_changed_p50_ms": _pct(self.changed, 0.5), "poll_changed_p99_ms": _pct(self.changed, 0.99),
+                "poll_unchanged_p50_ms": _pct(self.unchanged, 0.5),
+                "poll_unchanged_p99_ms": _pct(self.unchanged, 0.99)}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,24 +35,35 @@ def _tenants_file(workload: str) -> str:
     return str((Path(workload).parent / t).resolve())
 
 
-def _scheduler_leases(redis_url: str, prefix: str) -> dict[str, float]:
-    """Lease counters scraped from the scheduler's /metrics (found through its health key)."""
+def steering_env(args: argparse.Namespace, policy: str) -> tuple[str, dict[str, str]]:
+    """(the registered policy, the scheduler's SLICESCHED_SIM_STEERING for this point): from a
+    ``<policy>/steering-on|off`` name of ``--sim-steering both``, else from ``--sim-steering on|off`` (nothing:
+    the environment's)."""
+    name, _, variant = policy.partition("/")
+    mode = {"steering-on": "on", "steering-off": "off"}.get(variant) or getattr(args, "sim_steering", None)
+    return name, ({"SLICESCHED_SIM_STEERING": "1" if mode == "on" else "0"} if mode in ("on", "off") else {})
+
+
+def _scheduler_metrics(redis_url: str, prefix: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(lease counters, steering gauges) scraped from the scheduler's /metrics (found through its health key)."""
     r = syncredis.Redis.from_url(redis_url, socket_timeout=2)
     try:
         port = r.hget(f"{prefix}health:scheduler:scheduler-0", "port")
     finally:
         r.close()
     if not port:
-        return {}
+        return {}, {}
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{int(port)}/metrics", timeout=3) as resp:
             text = resp.read().decode()
     except OSError:
-        return {}
+        return {}, {}
     out = {}
     for m in re.finditer(r'^slicesched_leases_total\{event="(\w+)"\} ([0-9.e+]+)$', text, re.M):
         out[m.group(1)] = float(m.group(2))
-    return out
+    steer = {m.group(1): float(m.group(2)) for m in re.finditer(  # (age: NaN, left out, when none was seen)
+        r'^slicesched_scheduler_sim_steering_(version|factors|age_seconds) ([0-9.e+-]+)$', text, re.M)}
+    return out, steer
 
 
 def tenants_with_homes(tenants_file: str, homes: dict[str, list[str]] | None, out_dir: Path) -> str:
@@ -82,12 +93,14 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
     if bad:
         raise ConfigError(cluster.source, "devices", f"fidelity {fidelity!r} needs {'/'.join(sorted(want))} devices; "
                                                       f"{', '.join(bad)} are not")
+    policy, steer_env = steering_env(args, policy)
     if policy == "pooled-bound":
         raise ConfigError("--policies", "pooled-bound", "simulation-only bound: not run on a mesh")
     with tempfile.TemporaryDirectory(prefix=f"slicesched-{fidelity}-") as tmp:
         tenants = tenants_with_homes(_tenants_file(args.workload), getattr(args, "homes", None), Path(tmp))
         launcher = Launcher(cluster, cluster_file=str(Path(args.cluster).resolve()), tenants_file=tenants,
-                            data_dir=Path(tmp), gateway_port=0, policy=policy, prefix="bench:", extra_env=MEASURE_ENV)
+                            data_dir=Path(tmp), gateway_port=0, policy=policy, prefix="bench:",
+                            extra_env=MEASURE_ENV | steer_env)
         hook = getattr(args, "mesh_hook", None)  # bench results: reads the run's streams for a busy-time timeline
         t0 = time.perf_counter()
         launcher.start()
@@ -100,7 +113,7 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
                                  timeout_s=getattr(args, "request_timeout_s", 120.0))
             cpu = {k: round(v - cpu0[k], 3) for k, v in launcher.cpu_seconds(client=True).items()
                    if k in cpu0}
-            leases = _scheduler_leases(launcher.redis_url, "bench:")
+            leases, steering = _scheduler_metrics(launcher.redis_url, "bench:")
             if hook is not None:
                 hook.finished(launcher, policy, scale, summary)
         finally:
@@ -108,6 +121,7 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
     from bench.bench_compare import point_summary
     return point_summary({"tokens_per_s": summary["tokens_per_s"], "violation_rate": summary["violation_rate"],
                           "wall_s": time.perf_counter() - t0, "leases": leases, "cpu_s": cpu,
+                          "steering": dict(steering, setting=steer_env.get("SLICESCHED_SIM_STEERING", "env")),
                           "tenants": summary.get("tenants") or {}}) | {
         "fidelity": fidelity, "requests": summary.get("total", {}).get("requests")}
 

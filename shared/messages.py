@@ -329,3 +329,8 @@ def sim_rates_key(prefix: str) -> str:
 def sim_corrections_key(prefix: str) -> str:
     """Hash of the simulator's online correction factors per (device, segment kind)."""
     return f"{prefix}sim:corrections"
+
+
+def sim_steering_key(prefix: str) -> str:
+    """Hash of the versioned copy the scheduler's what-if applies (``shared.sim.steering.SteeringCopy``)."""
+    return f"{prefix}sim:steering"

@@ -47,6 +47,9 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("slicesched_sim_whatif_total", "counter", {"result"}),
         ("slicesched_sim_whatif_compute_seconds", "histogram", set()),
         ("slicesched_sim_twin_epoch", "gauge", set()),
+        ("slicesched_scheduler_sim_steering_version", "gauge", set()),
+        ("slicesched_scheduler_sim_steering_age_seconds", "gauge", set()),
+        ("slicesched_scheduler_sim_steering_factors", "gauge", set()),
         ("slicesched_gmg_epoch", "gauge", set()),
         ("slicesched_gmg_devices_down", "gauge", set()),
         ("slicesched_gmg_events_total", "counter", {"type", "result"}),
@@ -125,6 +128,12 @@ def panels() -> list[list[tuple]]:
                                                 ("max(slicesched_sim_twin_epoch)", "simulator twin epoch"),
                                                 ("sum(slicesched_gmg_devices_down)", "devices down")], "short",
          "The twin trails the GMG by the epochs it has not applied yet.", False),
+        ("Scheduler steered by the simulator", [("max(slicesched_scheduler_sim_steering_version)",
+                                                 "copy version in use (0: none)"),
+                                                ("max(slicesched_scheduler_sim_steering_age_seconds)", "copy age (s)"),
+                                                ("max(slicesched_scheduler_sim_steering_factors)", "factors in use")],
+         "short", "The sim:steering copy the scheduler's what-if applies; version 0: the uncorrected cost model "
+                  "(no simulator, stale copy, or SLICESCHED_SIM_STEERING=0).", False),
     ]
     streams = [
         ("Fenced late results (zombie workers)",

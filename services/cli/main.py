@@ -37,6 +37,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "overload": ("bench.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
     "costmodel": ("bench.bench_costmodel", "GPU cost model vs measured H100/A100 timings (Vidur); --fit-out"),
     "models": ("bench.bench_models", "tokens/s of the engine vs transformers on the same model, batch 1 and 8"),
+    "steering": ("bench.bench_steering", "a policy on a mesh with and without the simulator's steering, paired"),
 }
 
 

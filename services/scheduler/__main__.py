@@ -8,6 +8,7 @@ import sys
 
 from shared.config import DEFAULT_POLICY, ConfigError, load_runtime
 from shared.logging import setup_logging
+from services.scheduler.steering import steering_settings
 
 
 def main() -> int:
@@ -16,6 +17,7 @@ def main() -> int:
     args = ap.parse_args()
     try:
         settings, cluster, tenants = load_runtime()
+        steering, stale_s = steering_settings()
     except ConfigError as e:
         print(f"scheduler: config error: {e}", file=sys.stderr)
         return 2
@@ -29,7 +31,8 @@ def main() -> int:
     except (KeyError, ValueError) as e:  # unknown name or bad parameters
         print(f"scheduler: --policy: {e}", file=sys.stderr)
         return 2
-    asyncio.run(SchedulerService(settings, cluster, tenants, policy).run())
+    asyncio.run(SchedulerService(settings, cluster, tenants, policy, sim_steering=steering,
+                                 steering_stale_s=stale_s).run())
     return 0
 
 

@@ -22,9 +22,11 @@ from shared.service import ServiceShell, run_tasks
 from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.scheduler.core import DeviceView, Pending, SchedulerCore
 from services.scheduler.policy_bridge import LeaseManager, SnapshotBuilder
+from services.scheduler.steering import SteeringFollower
 from shared.gmg.keys import GMGKeys
 from shared.gmg.lease_store import unpinned_entries
 from shared.policies import Trigger
+from shared.sim.steering import STALE_AFTER_S, CorrectedWhatIf
 
 log = structlog.get_logger()
 
@@ -34,7 +36,8 @@ TOKENS_MAXLEN = 200_000
 
 class SchedulerService:
     def __init__(self, settings: Settings, cluster: ClusterConfig, tenants: TenantsConfig, policy,
-                 name: str = "scheduler-0") -> None:
+                 name: str = "scheduler-0", *, sim_steering: bool = True,
+                 steering_stale_s: float = STALE_AFTER_S) -> None:
         self.s, self.cluster, self.tenants = settings, cluster, tenants
         self.p = settings.prefix
         self.name = name
@@ -70,9 +73,9 @@ class SchedulerService:
         self.rows: dict[str, dict[str, str]] = {}
         self.whatif = None
         if getattr(policy, "tick_s", None) or getattr(policy, "wants_arrival", False):
-            from shared.sim.whatif import WhatIf
-
-            self.whatif = WhatIf.for_cluster(cluster)
+            self.whatif = CorrectedWhatIf.for_cluster(cluster)  # corrected by the simulator's steering copy
+        self.steering = SteeringFollower(self.redis, self.p, self.whatif, enabled=sim_steering,
+                                         stale_after_s=steering_stale_s, registry=reg)
         self._arrivals: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
@@ -86,11 +89,15 @@ class SchedulerService:
         req_consumer = self._consumer(requests_stream(self.p), RequestsMsg, self._on_request)
         ev_consumer = self._consumer(events_stream(self.p), EventsMsg, self._on_event)
         self.shell.ready = True
-        log.info("scheduler_ready", policy=getattr(self.core.policy, "registry_name", "?"))
+        log.info("scheduler_ready", policy=getattr(self.core.policy, "registry_name", "?"),
+                 sim_steering="on" if self.steering.enabled else "off")
+        tasks = [req_consumer.run(self.shell.stop), req_consumer.reclaim_loop(self.shell.stop),
+                 ev_consumer.run(self.shell.stop), self._placement_loop(), self._device_loop(), self._policy_loop(),
+                 self.shell.heartbeat_loop()]
+        if self.whatif is not None:  # only policies that decide with the what-if use the simulator's copy
+            tasks.append(self.steering.run(self.shell.stop))
         try:
-            await run_tasks(self.shell, req_consumer.run(self.shell.stop), req_consumer.reclaim_loop(self.shell.stop),
-                            ev_consumer.run(self.shell.stop), self._placement_loop(), self._device_loop(), self._policy_loop(),
-                            self.shell.heartbeat_loop())
+            await run_tasks(self.shell, *tasks)
         finally:
             await self.shell.close_http()
             await close_quietly(self.redis, *self._blocking)
@@ -233,6 +240,11 @@ class SchedulerService:
     def snapshot(self):
         return self.snapshots.build(time.time(), self.devices, self.rows, self.assigned, self.lease_mgr.active)
 
+    def decision_snapshot(self):
+        """The snapshot a policy's ``decide`` runs on: :meth:`snapshot` with the simulator's forecast applied when
+        its steering copy is in use (routing a request keeps to what the scheduler observes now)."""
+        return self.steering.steer(self.snapshot())
+
     async def _place(self, p: Pending) -> bool:
         self._placing = p.req.request_id
         try:
@@ -313,7 +325,7 @@ class SchedulerService:
                     last_tick = now
                 for trig in triggers:
                     t0 = time.perf_counter()
-                    actions = self.core.policy.decide(trig, self.snapshot(), self.whatif)
+                    actions = self.core.policy.decide(trig, self.decision_snapshot(), self.whatif)
                     if actions:
                         before = (self.lease_mgr.granted, self.lease_mgr.revoked)
                         await self.lease_mgr.apply(actions, time.time())

@@ -1,4 +1,8 @@
-"""What-if RPC client for the scheduler (or any service): ``await client.whatif(candidates, timeout_s)``.
+"""Client of the simulator service's what-if RPC: ``await client.whatif(candidates, timeout_s)`` asks the twin of the
+live mesh about candidate leases and admissions. Used by ``slicesched bench whatif`` and the integration tests;
+the live scheduler does not call it (no service imports another, and a round trip does not fit its decision
+budget): it takes what the simulator learned from the versioned ``sim:steering`` copy instead
+(``services/scheduler/steering.py``, docs/simulator-service.md).
 
 Queries go to ``sim:rpc``; each client reads its own reply stream ``sim:reply:{client}`` on a dedicated blocking
 connection and matches replies to callers by ``query_id``. A query carries its deadline; the simulator drops

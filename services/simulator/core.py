@@ -13,6 +13,7 @@ from shared.costmodel import CorrectionTable, cost_for
 from shared.gmg.snapshot import GMGSnapshot
 from shared.messages import (InferenceRequest, RequestFinished, StepReport, WhatIfQuery, WhatIfReply)
 from shared.model.graph import parse_segment
+from shared.sim.steering import SteeringCopy, kind_factors
 from services.simulator.evaluate import TwinView, WhatIfEvaluator
 from services.simulator.forecast import Forecast, forecast_device
 from services.simulator.twin import RateEstimator, ReqInfo, RequestBook, Twin
@@ -131,6 +132,19 @@ class SimulatorCore:
             out[t] = f"{self.twin.rates.rate(t, now):.4f}"
             out[f"{t}:mean_input"], out[f"{t}:mean_output"] = f"{mi:.1f}", f"{mo:.1f}"
         return out
+
+    def steering_copy(self, version: int, now: float) -> SteeringCopy:
+        """What the scheduler's what-if takes from this service (``sim:steering``): the correction factors per
+        device kind and, per device of the current view, the forecast busy ratio and time to the next idle slice."""
+        busy, idle = {}, {}
+        if self.view is not None:
+            for d, f in self.view.forecasts.items():
+                gaps = f.idle()
+                busy[d] = f.busy_s / f.horizon_s if f.horizon_s > 0 else 0.0
+                idle[d] = gaps[0][0] if gaps else f.horizon_s
+        return SteeringCopy(version=version, ts=now, epoch=self.view.epoch if self.view is not None else -1,
+                            horizon_s=self.horizon_s, factors=kind_factors(self.corrections, self.kinds),
+                            busy=busy, next_idle_s=idle)
 
     def corrections_fields(self) -> dict[str, str]:
         """The ``sim:corrections`` hash: ``<device>/<kind>`` = ``factor|error|samples``."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import ClusterConfig, TenantsConfig
-from shared.costmodel import CorrectionTable, ModelCost, load_profile
+from shared.costmodel import CorrectionTable
 from shared.gmg.snapshot import GMGSnapshot
 from shared.messages import DeviceForecast, RequestPrediction, WhatIfCandidate, WhatIfOutcome
 from shared.model.graph import parse_segment
 from shared.policies.actions import GrantLease
-from shared.policies.snapshot import ClusterSnapshot, TenantState
-from shared.sim.whatif import WhatIf, WhatIfResult
+from shared.policies.snapshot import ClusterSnapshot
+from shared.sim.steering import CorrectedWhatIf, kind_factors
+from shared.sim.whatif import WhatIfResult
 from services.simulator.forecast import DeviceWork, Forecast
 
 
@@ -43,34 +44,17 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-class CorrectedWhatIf(WhatIf):
-    """The library's what-if with the service's online correction: per device kind, the mean factor per segment
-    kind over the devices of that kind."""
+class TwinWhatIf(CorrectedWhatIf):
+    """The library's what-if with the service's own online correction (per device kind, the mean factor per
+    segment kind over the devices of that kind: the same factors the ``sim:steering`` copy gives the scheduler)."""
 
     def __init__(self, corrections: CorrectionTable, kinds: dict[str, str]) -> None:
         super().__init__()
         self.corrections, self.kinds = corrections, kinds
-        self._corr: dict[str, tuple] = {}
-        self._cache: dict[tuple, tuple[tuple, ModelCost]] = {}
 
     def update(self) -> None:
         """Take the correction table's current factors (called once per twin refresh, not per candidate)."""
-        sums: dict[str, dict[str, list[float]]] = {}
-        for dev, kind in self.kinds.items():
-            for op, f in self.corrections.factors_for(dev).items():
-                sums.setdefault(kind, {}).setdefault(op, []).append(f)
-        self._corr = {kind: tuple(sorted((op, round(sum(v) / len(v), 2)) for op, v in ops.items()))
-                      for kind, ops in sums.items()}
-
-    def cost(self, tenant: TenantState, kind: str) -> ModelCost:
-        corr = self._corr.get(kind)
-        if not corr:
-            return super().cost(tenant, kind)
-        key = (tenant.model, kind)
-        hit = self._cache.get(key)
-        if hit is None or hit[0] != corr:
-            hit = self._cache[key] = (corr, ModelCost(tenant.model, load_profile(kind), dict(corr)))
-        return hit[1]
+        self.set_factors(kind_factors(self.corrections, self.kinds))
 
 
 def _slots_to_busy(slots: list[tuple[float, float, float]], now: float) -> list[tuple[float, float]]:
@@ -83,7 +67,7 @@ class WhatIfEvaluator:
 
     def __init__(self, cluster: ClusterConfig, tenants: TenantsConfig, corrections: CorrectionTable):
         self.cluster, self.tenants = cluster, tenants
-        self.whatif = CorrectedWhatIf(corrections, {d.id: d.kind for d in cluster.devices})
+        self.whatif = TwinWhatIf(corrections, {d.id: d.kind for d in cluster.devices})
         self.sla = {t.name: t.sla for t in tenants.tenants}
         self.homes = {t.name: t.home_devices for t in tenants.tenants}
 

@@ -1,6 +1,7 @@
 """Simulator service shell: follows the GMG into a twin, reads arrivals from the requests stream and measured
-segment times from the events stream (group ``simulator``), publishes forecasts, rates and corrections, and answers
-what-if RPCs (``sim:rpc``, group ``simulator``; replies on ``sim:reply:{client}``)."""
+segment times from the events stream (group ``simulator``), publishes forecasts, rates and corrections, the
+versioned ``sim:steering`` copy the scheduler's what-if applies, and answers what-if RPCs (``sim:rpc``, group
+``simulator``; replies on ``sim:reply:{client}``)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,8 @@ from shared.config import ClusterConfig, Settings, TenantsConfig
 from shared.gmg.follower import GMGFollower
 from shared.messages import (GROUP_SIMULATOR, EventsMsg, InferenceRequest, RequestsMsg, SimRpcMsg, WhatIfReply,
                              dead_stream, events_stream, requests_stream, sim_corrections_key, sim_forecast_key,
-                             sim_rates_key, sim_reply_stream, sim_rpc_stream)
+                             sim_rates_key, sim_reply_stream, sim_rpc_stream,
+                             sim_steering_key)
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
 from shared.service import ServiceShell, run_tasks
 from shared.streams import ACK, Delivery, StreamConsumer, StreamProducer, entry_payload, pace
@@ -51,6 +53,7 @@ class SimulatorService:
         self.shell = ServiceShell("simulator", name, prefix=self.p, redis=self.redis)
         self.refresh_interval_s, self.publish_interval_s = refresh_interval_s, publish_interval_s
         self.step_gap_s = step_gap_s
+        self._steer_version: int | None = None  # last version of sim:steering written (None: not read yet)
         self.events = StreamConsumer(cmd=self.redis, blocking=self._blocking[2], stream=events_stream(self.p),
                                      group=GROUP_SIMULATOR, consumer=name, types=EventsMsg, handler=self._on_event,
                                      dead_stream=dead_stream(self.p), min_idle_ms=30_000)
@@ -156,6 +159,23 @@ class SimulatorService:
         if corr:
             pipe.hset(sim_corrections_key(self.p), mapping=corr)
         await pipe.execute()
+        await self.publish_steering(now)
+
+    async def publish_steering(self, now: float | None = None) -> int:
+        """Replace ``sim:steering`` whole (one MULTI: readers see one version or the next, never a mix) with a
+        new version of what the scheduler's what-if takes from this service; returns the version."""
+        now = time.time() if now is None else now
+        key = sim_steering_key(self.p)
+        if self._steer_version is None:  # continue after a restart's last version, so readers see a change
+            raw = await self.redis.hget(key, "version")
+            self._steer_version = int(raw) if raw and raw.isdigit() else 0
+        copy = self.core.steering_copy(self._steer_version + 1, now)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping=copy.to_fields())
+        await pipe.execute()
+        self._steer_version = copy.version
+        return copy.version
 
     async def _publish_loop(self) -> None:
         while not self.shell.stop.is_set():

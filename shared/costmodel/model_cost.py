@@ -77,6 +77,19 @@ class ModelCost:
         self._cache: dict[tuple[str, int], float] = {}
         self._factors: dict[tuple[str, int], float] = {}  # (kind, bucket) -> correction factor
         self._lines: dict[int, tuple[float, float, float]] = {}
+        self._raw: dict[tuple[str, int], float] = {}  # (tag, tokens) -> uncorrected segment time; shared by copies
+
+    def with_correction(self, correction: Mapping[str, float] | None) -> "ModelCost":
+        """The same model and profile with other correction factors: shares the operator graph and the uncorrected
+        per-segment times already computed (a fresh :class:`ModelCost` builds its graph again, milliseconds), so a
+        scheduler taking new factors every half second does not pay for that on its next decision."""
+        c = object.__new__(ModelCost)
+        c.__dict__.update(self.__dict__)
+        c.corr = {k: float((correction or {}).get(k, 1.0)) for k in SEGMENT_KINDS}
+        c.bucket_corr = {(k.split("@", 1)[0], int(k.split("@", 1)[1])): float(v)
+                         for k, v in (correction or {}).items() if "@" in k}
+        c._cache, c._factors, c._lines = {}, {}, {}
+        return c
 
     # ---------------------------------------------------------------- per segment (one layer)
     def factor(self, kind: str, batch_tokens: int) -> float:
@@ -109,7 +122,10 @@ class ModelCost:
         key = (tag, tokens, bt)
         t = self._cache.get(key)
         if t is None:
-            t = sum(op_time(self.profile, op, tokens) for op in ops) * self.factor(tag.split("_")[0], bt)
+            raw = self._raw.get((tag, tokens))
+            if raw is None:
+                raw = self._raw[(tag, tokens)] = sum(op_time(self.profile, op, tokens) for op in ops)
+            t = raw * self.factor(tag.split("_")[0], bt)
             self._cache[key] = t
         return t
 

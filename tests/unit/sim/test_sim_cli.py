@@ -298,3 +298,28 @@ def test_plan_containers_writes_a_file_every_command_takes(files, capsys):
     rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
                "--policy", "container", "--containers", str(files / "bad.yaml")])
     assert rc == 2 and "bad.yaml: containers: the counts ask for 11 devices" in _one_line_error(capsys)
+
+
+def test_sim_steering_setting_per_mesh_point(files, capsys):
+    """``--sim-steering both`` searches each policy with and without the simulator's steering (the points alternate
+    like two policies'); each point's scheduler gets SLICESCHED_SIM_STEERING accordingly; the simulator fidelity
+    refuses the option."""
+    import argparse
+
+    from bench.compare_mesh import steering_env
+
+    assert steering_env(argparse.Namespace(sim_steering="both"), "slice/steering-off") == (
+        "slice", {"SLICESCHED_SIM_STEERING": "0"})
+    assert steering_env(argparse.Namespace(sim_steering="both"), "slice/steering-on") == (
+        "slice", {"SLICESCHED_SIM_STEERING": "1"})
+    assert steering_env(argparse.Namespace(sim_steering="off"), "slice") == ("slice", {"SLICESCHED_SIM_STEERING": "0"})
+    assert steering_env(argparse.Namespace(sim_steering=None), "container") == ("container", {})
+    rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--policies", "slice", "--sim-steering", "both"])
+    assert rc == 2 and "mesh fidelities" in _one_line_error(capsys)
+
+
+def test_bench_steering_refuses_bad_scales(files, capsys):
+    rc = main(["bench", "steering", "--fidelity", "emulated", "--workload", str(files / "w.yaml"),
+               "--cluster", str(files / "cluster.yaml"), "--scales", "2,x"])
+    assert rc == 2 and "--scales" in _one_line_error(capsys)

@@ -84,6 +84,7 @@ def _check_policy(cluster: ClusterConfig, policy: str | None) -> str:
 def _check_environment(cluster: ClusterConfig) -> None:
     from services.gateway.core import GatewayLimits
     from services.gmg.reconcile import ReconcileOptions
+    from services.scheduler.steering import steering_settings
     from services.worker.__main__ import engine_knobs
     from services.worker.emulated import emulated_time_scale
     from services.worker.lease_agent import LeaseOptions
@@ -94,6 +95,7 @@ def _check_environment(cluster: ClusterConfig) -> None:
     Settings.from_env(env)  # every service: drain time, gateway and metrics ports
     GatewayLimits.from_env(env)
     ReconcileOptions.from_env(env)
+    steering_settings(env)  # the scheduler's use of the simulator's corrections
     real = [d for d in cluster.devices if d.backend != "emulated"]
     if real:  # what `python -m services.worker` checks
         engine_knobs(env)

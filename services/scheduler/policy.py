@@ -11,7 +11,8 @@ def load_live_policy(name: str, params_json: str = "", base: dict | None = None)
     with ``base`` (the cluster file's ``policies.<name>``) overridden key by key by ``params_json``."""
     cls = POLICIES.get(name)
     if getattr(cls, "simulation_only", False):
-        raise ValueError(f"policy {name!r} is simulation-only (a bound, not a real policy)")
+        why = getattr(cls, "simulation_only_why", "") or "a bound, not a real policy"
+        raise ValueError(f"policy {name!r} is simulation-only ({why})")
     try:
         override = json.loads(params_json) if params_json else {}
     except ValueError as e:

@@ -51,6 +51,7 @@ class Policy:
     config_cls: ClassVar[type[PolicyConfig]] = PolicyConfig
     registry_name: ClassVar[str] = "?"
     simulation_only: ClassVar[bool] = False
+    simulation_only_why: ClassVar[str] = ""  # what the live mesh lacks for it (shown when `up` refuses it)
     wants_arrival: ClassVar[bool] = False  # call decide() after every routed arrival
     tick_s: float | None = None  # call decide() periodically
 

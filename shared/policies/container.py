@@ -68,5 +68,8 @@ class ContainerAvgWorkConfig(ContainerConfig):
 @POLICIES.register("container-avgwork")
 class ContainerAvgWorkPolicy(ContainerPolicy):
     """``container`` on containers sized by average offered work (the weak strawman; see the module docstring)."""
+    simulation_only = True
+    simulation_only_why = ("the live mesh runs the tenants file's home devices; average-work sizing is an offline "
+                           "strawman")
 
     config_cls = ContainerAvgWorkConfig

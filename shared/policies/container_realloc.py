@@ -33,6 +33,8 @@ class ContainerReallocConfig(PolicyConfig):
 @POLICIES.register("container-realloc")
 class ContainerReallocPolicy(Policy):
     """Work-proportional containers, periodically resized from recent load at a reload cost."""
+    simulation_only = True
+    simulation_only_why = "the live scheduler applies no reassignment: workers never reload another tenant's weights"
 
     config_cls = ContainerReallocConfig
 

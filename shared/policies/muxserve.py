@@ -29,6 +29,9 @@ class MuxServeConfig(PolicyConfig):
 @POLICIES.register("muxserve")
 class MuxServePolicy(Policy):
     """Rate-based co-location with compute shares."""
+    simulation_only = True
+    simulation_only_why = ("its co-located placement needs workers holding several tenants' weights, which the live "
+                           "mesh does not start")
 
     config_cls = MuxServeConfig
 

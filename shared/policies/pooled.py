@@ -42,6 +42,7 @@ class PooledPolicy(Policy):
 
     config_cls = PooledConfig
     simulation_only = True
+    simulation_only_why = "weights free on every device"
 
     def initial_placement(self, snapshot: ClusterSnapshot, offered: dict[str, OfferedLoad]) -> Placement:
         cfg: PooledConfig = self.config  # type: ignore[assignment]
@@ -97,6 +98,7 @@ class PooledBound(Policy):
     ``slicesched simulate`` and ``bench compare`` evaluate it by name."""
 
     simulation_only = True
+    simulation_only_why = "an analytic bound computed from a workload"
     analytic = True
 
     def initial_placement(self, snapshot: ClusterSnapshot, offered: dict[str, OfferedLoad]) -> Placement:

@@ -30,6 +30,9 @@ class TokenPoolConfig(PolicyConfig):
 @POLICIES.register("token-pool")
 class TokenPoolPolicy(Policy):
     """Per-token switching of devices between tenants, with switch and load costs."""
+    simulation_only = True
+    simulation_only_why = ("switching a device to another tenant needs workers that load any tenant's weights, which "
+                           "the live mesh does not start")
 
     config_cls = TokenPoolConfig
 

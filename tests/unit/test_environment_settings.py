@@ -64,6 +64,7 @@ def test_engine_settings_name_the_variable_that_is_wrong(name, raw):
 @pytest.mark.parametrize("argv, env, expected", [
     (["up", "--policy", "nonsense"], {}, "arguments: --policy: unknown policy 'nonsense'"),
     (["up", "--policy", "pooled-bound"], {}, "arguments: --policy: policy 'pooled-bound' is simulation-only"),
+    (["up", "--policy", "muxserve"], {}, "arguments: --policy: policy 'muxserve' is simulation-only (its co-located"),
     (["up"], {"SLICESCHED_POLICY": "bogus"}, "environment: SLICESCHED_POLICY: unknown policy 'bogus'"),
     (["up"], {"SLICESCHED_POLICY_PARAMS": "{\"nope\": 1}"}, "environment: SLICESCHED_POLICY_PARAMS: slice: unknown"),
     (["up"], {"SLICESCHED_POLICY_PARAMS": "[1"}, "environment: SLICESCHED_POLICY_PARAMS: SLICESCHED_POLICY_PARAMS is"),

@@ -143,7 +143,11 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def passes(r: dict[str, Any], bound: float) -> bool:
-    """A point sustains ``bound``: aggregate violations and every counted tenant's (≥ 100 requests) within it."""
+    """A point sustains ``bound``: aggregate violations and every counted tenant's (≥ 100 requests) within it. A
+    point that stopped early was stopped because it exceeded the bound it ran for (its partial figures may not show
+    it: the tenant may have had fewer than 100 requests by then), so it fails."""
+    if r.get("stopped_early"):
+        return False
     return r["violation_rate"] <= bound and (r.get("worst_tenant_violation_rate") or 0.0) <= bound
 
 

@@ -323,3 +323,10 @@ def test_bench_steering_refuses_bad_scales(files, capsys):
     rc = main(["bench", "steering", "--fidelity", "emulated", "--workload", str(files / "w.yaml"),
                "--cluster", str(files / "cluster.yaml"), "--scales", "2,x"])
     assert rc == 2 and "--scales" in _one_line_error(capsys)
+
+
+def test_a_point_stopped_early_fails_even_if_its_partial_figures_look_fine():
+    from bench.bench_compare import passes
+    r = {"violation_rate": 0.02, "worst_tenant_violation_rate": 0.03}
+    assert passes(r, 0.09)
+    assert not passes(dict(r, stopped_early=True), 0.09)

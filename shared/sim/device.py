@@ -15,6 +15,60 @@ MIN_GUEST_SHARE = 0.02  # a guest lane is paused, not stopped, while the device'
 LANE_WINDOW_S = 1.0  # exclusive lanes: guest vs own time is balanced over this window (as the worker's GuestLanes)
 
 
+class LaneHistory:
+    """Recent steps of a device with guest lanes, ``(end, seconds, guest?, nanoseconds)``, with running sums of
+    the guest and total time in integer nanoseconds (exact: no drift however long the run).
+
+    :meth:`guest_within` decides ``guest <= frac * total`` exactly as summing the window's float durations left to
+    right would: the integer sums are within half a nanosecond per step of the exact sums, the float sums within
+    ~1e-13 s, so outside a margin of one nanosecond per step the two agree; inside it (near-ties, rare) the float
+    sums are computed as before."""
+
+    __slots__ = ("steps", "guest_ns", "total_ns")
+
+    def __init__(self) -> None:
+        self.steps: deque = deque()
+        self.guest_ns = self.total_ns = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i: int) -> tuple:
+        return self.steps[i]
+
+    def append(self, end: float, dur: float, guest: bool) -> None:
+        ns = round(dur * 1e9)
+        self.steps.append((end, dur, guest, ns))
+        self.total_ns += ns
+        if guest:
+            self.guest_ns += ns
+
+    def trim(self, before: float) -> None:
+        """Forget steps that ended before ``before``."""
+        h = self.steps
+        while h and h[0][0] < before:
+            _, _, guest, ns = h.popleft()
+            self.total_ns -= ns
+            if guest:
+                self.guest_ns -= ns
+
+    def guest_within(self, frac: float) -> bool:
+        """Guest time in the window ≤ ``frac`` × all time in it."""
+        diff = self.guest_ns - frac * self.total_ns
+        margin = len(self.steps) + 2
+        if diff < -margin:
+            return True
+        if diff > margin:
+            return False
+        h = self.steps
+        g = sum(d for _, d, guest, _ in h if guest)
+        total = sum(d for _, d, _, _ in h)
+        return g <= frac * total
+
+
 class SimDevice:
     """Runs one engine step at a time. ``sharing`` decides which ready engine goes next (see Placement)."""
 
@@ -57,7 +111,7 @@ class SimDevice:
         # with its own steps, as a worker's compute thread runs them (services/worker/lanes.py); False: the
         # older fluid model, where a lane runs beside the own tenant slowed to its share.
         self.exclusive_lanes = True
-        self.hist: deque = deque()  # exclusive lanes: (end, seconds, guest?) of recent steps, for the share
+        self.hist = LaneHistory()  # exclusive lanes: recent steps, for the guests' share
 
     def make_lane(self, lease: SimLease) -> "SimDevice":
         """A guest lane: its own step loop over this device's memory, running under ``lease``'s share."""
@@ -162,13 +216,10 @@ class SimDevice:
         if any(e.waiting or e.prefilling for e in self.engines):
             return None, True  # the own tenant's prompts first (its TTFT), as in the fluid model
         h = self.hist
-        while h and h[0][0] < now - LANE_WINDOW_S:
-            h.popleft()
+        h.trim(now - LANE_WINDOW_S)
         if h and h[-1][2] and any(e.decoding for e in self.engines):
             return None, True  # one lane iteration at most between two of the own tenant's (its TPOT)
-        g = sum(d for _, d, guest in h if guest)
-        total = sum(d for _, d, _ in h)
-        if g <= max(MIN_GUEST_SHARE, self.f_dyn - self.guest_share("segments")) * total:
+        if h.guest_within(max(MIN_GUEST_SHARE, self.f_dyn - self.guest_share("segments"))):
             return lane, True
         return None, True
 
@@ -239,7 +290,7 @@ class SimDevice:
         else:
             self.busy_s += dur
         if self.exclusive_lanes and (self.lanes or self.parent is not None):
-            self.hist.append((now, dur, self.parent is not None))
+            self.hist.append(now, dur, self.parent is not None)
         if self.sharing == "weighted":
             self.used_s[eng.eid] = self.used_s.get(eng.eid, 0.0) + dur
         eng.complete(now, dur)

@@ -91,8 +91,8 @@ class SlicePolicy(Policy):
         model = snapshot.tenants[tenant].model
         home = snapshot.devices[best]
         best_wait = (home.queued_prefill_tokens + input_tokens) * self._per_token(model, home.kind)
-        for lease in snapshot.leases.values():
-            if lease.tenant != tenant or lease.mode != "sequences" or lease.state != "active":
+        for lease in snapshot.leases_of(tenant):
+            if lease.mode != "sequences" or lease.state != "active":
                 continue
             g = snapshot.devices[lease.guest_device]
             ge = g.guest_engines.get(tenant)
@@ -189,8 +189,8 @@ class SlicePolicy(Policy):
         it has prompts to prefill, and only its TPOT slack otherwise), so guests can only slow it within its SLA.
         Memory does: staged weights pinned by leases and guest sequences' KV cannot be evicted, so when the KV
         its own queued requests need no longer fits, the newest leases go."""
-        hosted = sorted((lease for lease in snapshot.leases.values() if lease.guest_device == d.id
-                         and lease.state != "draining"), key=lambda x: -x.start_s)
+        hosted = sorted((lease for lease in snapshot.leases_on(d.id) if lease.state != "draining"),
+                        key=lambda x: -x.start_s)
         if not hosted or d.home_tenant is None:
             return []
         t = snapshot.tenants[d.home_tenant]
@@ -242,8 +242,7 @@ class SlicePolicy(Policy):
         if last is not None and snapshot.now - last < cfg.min_seek_interval_s:
             return None
         self._last_seek[d.id] = snapshot.now
-        mine = [lease for lease in snapshot.leases.values() if lease.tenant == tenant and lease.home_device == d.id
-                and lease.state != "draining"]
+        mine = [lease for lease in snapshot.leases_from(d.id) if lease.tenant == tenant and lease.state != "draining"]
         if not self._behind(d, snapshot, whatif) or not self._tenant_behind(tenant, d, snapshot, whatif):
             return None
         t = snapshot.tenants[tenant]

@@ -86,6 +86,49 @@ class LeaseState:
     state: str = "staging"  # staging | active | ended | revoked
 
 
+class LeaseTable(dict):
+    """``lease id -> LeaseState`` that counts its changes (``version``), so that the snapshot's indexes by guest,
+    home device and tenant are rebuilt only after a lease was added or removed, not per query. A lease's own
+    fields (state, end) may change in place: the indexes hold the lease objects, and callers filter on state."""
+
+    __slots__ = ("version",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.version = 0
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.version += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self.version += 1
+
+    def setdefault(self, key, default=None):
+        self.version += 1
+        return super().setdefault(key, default)
+
+
+_NO_LEASES: tuple = ()
+
+
 @dataclass
 class ClusterSnapshot:
     """Everything a policy may look at. ``links`` gives the link kind for (host, host) pairs via link_kind()."""
@@ -97,6 +140,29 @@ class ClusterSnapshot:
     intra_host_link: str = "nvlink"
     inter_host_link: str = "nccl"
     epoch: int = 0
+    _index: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.leases, LeaseTable):
+            self.leases = LeaseTable(self.leases)
+
+    def _lease_index(self) -> tuple[dict, dict, dict]:
+        """(by guest device, by home device, by tenant), each list in the leases' insertion order."""
+        leases = self.leases
+        if not isinstance(leases, LeaseTable):  # replaced by a plain dict after construction
+            leases = self.leases = LeaseTable(leases)
+        idx = self._index
+        if idx is not None and idx[0] is leases and idx[1] == leases.version:
+            return idx[2]
+        by_guest: dict[str, list[LeaseState]] = {}
+        by_home: dict[str, list[LeaseState]] = {}
+        by_tenant: dict[str, list[LeaseState]] = {}
+        for lease in leases.values():
+            by_guest.setdefault(lease.guest_device, []).append(lease)
+            by_home.setdefault(lease.home_device, []).append(lease)
+            by_tenant.setdefault(lease.tenant, []).append(lease)
+        self._index = (leases, leases.version, (by_guest, by_home, by_tenant))
+        return by_guest, by_home, by_tenant
 
     def link_kind(self, a: str, b: str) -> str:
         """Link kind between two devices (same host: intra-host link)."""
@@ -108,8 +174,13 @@ class ClusterSnapshot:
         return [d for d in self.devices.values() if tenant in d.tenants]
 
     def leases_on(self, device: str) -> list[LeaseState]:
-        """Active or staging leases hosted by ``device``."""
-        return [lease for lease in self.leases.values() if lease.guest_device == device]
+        """Leases hosted by ``device`` (any state), in the order they were added; do not modify the list."""
+        return self._lease_index()[0].get(device, _NO_LEASES)  # type: ignore[return-value]
+
+    def leases_from(self, device: str) -> list[LeaseState]:
+        """Leases whose home (driving) device is ``device``, in the order they were added; do not modify."""
+        return self._lease_index()[1].get(device, _NO_LEASES)  # type: ignore[return-value]
 
     def leases_of(self, tenant: str) -> list[LeaseState]:
-        return [lease for lease in self.leases.values() if lease.tenant == tenant]
+        """Leases of ``tenant``, in the order they were added; do not modify the list."""
+        return self._lease_index()[2].get(tenant, _NO_LEASES)  # type: ignore[return-value]

@@ -163,8 +163,8 @@ class WhatIf:
         link_kind = snap.link_kind(home.id, guest.id)
         link = load_profile(home.kind).link(link_kind)
         parts, shares = [], []
-        for lease in snap.leases.values():  # leases this engine already holds
-            if lease.tenant == cand.tenant and lease.home_device == home.id and lease.state == "active":
+        for lease in snap.leases_from(home.id):  # leases this engine already holds
+            if lease.tenant == cand.tenant and lease.state == "active":
                 g = snap.devices[lease.guest_device]
                 parts.append(OffloadPart(g.id, len(lease.segments), lease.share,
                                          load_profile(home.kind).link(snap.link_kind(home.id, g.id)),

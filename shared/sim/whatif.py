@@ -72,7 +72,10 @@ class WhatIf:
     def __init__(self, links: dict[str, dict[str, object]] | None = None, params: WhatIfParams | None = None) -> None:
         self.params = params or WhatIfParams()
         self._costs: dict[tuple[str, str], tuple] = {}  # (tenant, device kind) -> (its model, its cost model)
-        self._memo: dict | None = None  # per-evaluate cache of the devices' own iterations (one snapshot)
+        self._memo: dict | None = None  # per-evaluate cache of per-device terms (one snapshot)
+        # (cost id, device) -> [running, queued prefill tokens, decode KV tokens, cost, iteration, micro-batch parts]:
+        # a device's own iteration depends on those three numbers only, so it is recomputed only when they change
+        self._iters: dict[tuple[int, str], list] = {}
 
     @classmethod
     def for_cluster(cls, cluster: ClusterConfig, snapshot: ClusterSnapshot | None = None, cfg=None) -> "WhatIf":
@@ -100,18 +103,28 @@ class WhatIf:
         return v
 
     # ---------------------------------------------------------------- one device's own work
+    def _iter_entry(self, cost: ModelCost, d: DeviceState) -> list:
+        key = (id(cost), d.id)
+        e = self._iters.get(key)
+        r, q, kv = d.running, d.queued_prefill_tokens, d.decode_kv_tokens
+        if e is None or e[0] != r or e[1] != q or e[2] != kv or e[3] is not cost:
+            e = self._iters[key] = [r, q, kv, cost, self._device_iteration(cost, d), None]
+        return e
+
     def device_iteration(self, cost: ModelCost, d: DeviceState) -> tuple[float, int, int, int]:
-        """(iteration time, decode rows, prefill rows, sampled rows) of the device's next iteration, alone."""
-        return self._cached(("it", id(cost), d.id), lambda: self._device_iteration(cost, d))
+        """(iteration time, decode rows, prefill rows, sampled rows) of the device's next iteration, alone
+        (remembered per device until its batch or queue changes)."""
+        return self._iter_entry(cost, d)[4]
 
     def micro_batch_parts(self, cost: ModelCost, d: DeviceState) -> tuple[int, float, float, float]:
         """The home-side terms of an offloaded iteration of the device's next batch (see
         :func:`shared.costmodel.offload.micro_batch_parts`), remembered like :meth:`device_iteration`."""
-        def compute():
-            _, b, p, sampled = self.device_iteration(cost, d)
-            return micro_batch_parts(cost, b, d.decode_kv_tokens, p, p * (p + 1) // 2, p, sampled,
+        e = self._iter_entry(cost, d)
+        if e[5] is None:
+            _, b, p, sampled = e[4]
+            e[5] = micro_batch_parts(cost, b, d.decode_kv_tokens, p, p * (p + 1) // 2, p, sampled,
                                      self.params.micro_batches)
-        return self._cached(("mb", id(cost), d.id), compute)
+        return e[5]
 
     def _device_iteration(self, cost: ModelCost, d: DeviceState) -> tuple[float, int, int, int]:
         b = max(0, d.running - (1 if d.queued_prefill_tokens else 0))

@@ -52,10 +52,10 @@ async def _bench(args: argparse.Namespace, redis_url: str) -> dict:
     from shared.messages import InferenceRequest
     from shared.policies import Trigger
 
-    cluster = load_cluster(args.cluster)
-    cluster = replace(cluster, devices=cluster.devices[: args.devices])
+    full = load_cluster(args.cluster)
+    cluster = replace(full, devices=full.devices[: args.devices])
     ids = {d.id for d in cluster.devices}
-    tenants_all = load_tenants(args.tenants_file)
+    tenants_all = load_tenants(args.tenants_file, full)  # per-request SLAs are priced on the home devices' kind
     kept = [t for t in tenants_all.tenants if set(t.home_devices) <= ids][: args.tenants]
     tenants = TenantsConfig(tuple(kept), tenants_all.source)
     settings = Settings(redis_url=redis_url, prefix="bench:")

@@ -19,6 +19,7 @@ from shared.costmodel import cost_for
 from shared.policies.actions import Action, ExtendLease, GrantLease, Placement, RevokeLease, Trigger
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, least_loaded
 from shared.policies.container import container_placement
+from shared.policies.guest_index import GuestIndex, rank_all
 from shared.policies.snapshot import ClusterSnapshot, DeviceState
 
 
@@ -59,6 +60,7 @@ class SlicePolicy(Policy):
 
     config_cls = SliceConfig
     wants_arrival = True
+    check_index = False  # tests set it: every indexed candidate set is checked against a full scan
 
     def __init__(self, config: SliceConfig | None = None) -> None:
         super().__init__(config)
@@ -224,11 +226,12 @@ class SlicePolicy(Policy):
         devs = [did for did in self.devices_of.get(tenant, ()) if did != d.id
                 and snapshot.devices[did].home_tenant == tenant and not snapshot.devices[did].draining]
         need = self.cfg.tenant_behind_fraction * (len(devs) + 1) - 1.0  # d itself is behind
-        n = 0
+        n, left = 0, len(devs)
         for did in devs:
-            if n >= need:
+            if n >= need or n + left < need:  # decided either way: the rest cannot change the answer
                 break
             n += self._behind(snapshot.devices[did], snapshot, whatif)
+            left -= 1
         return n >= need
 
     def _seek(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> GrantLease | None:
@@ -354,19 +357,24 @@ class SlicePolicy(Policy):
         return max(0.0, min(room, limit - g.guest_share - SHARE_EPS))
 
     def _guests(self, d: DeviceState, snapshot: ClusterSnapshot, exclude: set[str]) -> list[DeviceState]:
-        """Bounded candidate set: idle first, then least loaded, most free memory, same host first."""
-        scored = []
-        tenant = d.home_tenant
-        for g in snapshot.devices.values():
-            if g.id == d.id or g.id in exclude or g.draining or g.guest_share >= 0.95 - self.cfg.min_share:
-                continue
-            idle = 0 if not (g.busy or g.outstanding) else 1
-            same = 0 if g.host == d.host else 1
-            staged = ((tenant, "*") in g.resident) + ((tenant, "mlp[0]") in g.resident)  # reuse: no staging
-            scored.append(((idle, -staged, same, g.outstanding + g.queued_prefill_tokens / 2048,
-                            -(g.free_bytes + g.evictable_bytes), g.id), g))
-        scored.sort(key=lambda x: x[0])
-        return [g for _, g in scored[: self.cfg.max_candidates]]
+        """Bounded candidate set: idle first, then those with the tenant's weights staged (reuse: no staging),
+        same host first, least loaded, most free memory (:func:`~shared.policies.guest_index.full_key`). On a
+        tracked snapshot (the simulator's) from an index kept current as devices change; else by a full scan."""
+        cap = 0.95 - self.cfg.min_share
+
+        def eligible(g: DeviceState) -> bool:
+            return not (g.id == d.id or g.id in exclude or g.draining or g.guest_share >= cap)
+
+        if not snapshot.tracked:
+            return rank_all(snapshot.devices.values(), d.home_tenant, d.host, self.cfg.max_candidates, eligible)
+        idx = snapshot.device_index
+        if idx is None:
+            idx = snapshot.device_index = GuestIndex(snapshot.devices)
+        out = idx.rank(d.home_tenant, d.host, self.cfg.max_candidates, eligible)
+        if self.check_index:  # tests: the index must give exactly what the full scan gives
+            want = rank_all(snapshot.devices.values(), d.home_tenant, d.host, self.cfg.max_candidates, eligible)
+            assert out == want, f"guest index out of date: {[g.id for g in out]} != {[g.id for g in want]}"
+        return out
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()

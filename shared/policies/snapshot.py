@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.config import SLA
 from shared.model.config import ModelConfig
@@ -140,7 +141,16 @@ class ClusterSnapshot:
     intra_host_link: str = "nvlink"
     inter_host_link: str = "nccl"
     epoch: int = 0
+    # True when the snapshot's owner calls touch() after every change to a device (the simulator, which keeps one
+    # snapshot current in place); policies may then keep indexes over the devices (``device_index``)
+    tracked: bool = False
+    device_index: Any = field(default=None, init=False, repr=False, compare=False)
     _index: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def touch(self, d: DeviceState) -> None:
+        """``d``'s fields changed (only meaningful on a tracked snapshot): bring the device index up to date."""
+        if self.device_index is not None:
+            self.device_index.update(d)
 
     def __post_init__(self) -> None:
         if not isinstance(self.leases, LeaseTable):

@@ -69,7 +69,7 @@ class Simulator:
             devices={d.id: DeviceState(d.id, d.kind, d.host, d.memory_bytes,
                                        d.memory_bytes - self.devices[d.id].mem.limit) for d in cluster.devices},
             tenants={t.name: TenantState(t.name, t.model.config, t.sla, list(t.home_devices))
-                     for t in tenants.tenants})
+                     for t in tenants.tenants}, tracked=True)
         for dev in self.devices.values():
             dev.state = self.snapshot.devices[dev.id]
         self.requests: list[SimRequest] = []
@@ -181,6 +181,7 @@ class Simulator:
                 if e.outstanding:
                     by[e.tenant] = by.get(e.tenant, 0) + e.outstanding
             s.outstanding_by_tenant = by
+        self.snapshot.touch(s)
 
     def _on_first_token(self, req: SimRequest, now: float) -> None:
         ts = self.snapshot.tenants[req.tenant]

@@ -1,4 +1,8 @@
-"""Candidate guest devices for a lease, ranked without sorting the whole cluster on every decision.
+"""Indexes over a tracked snapshot's devices, so that a decision does not scan the whole cluster.
+
+Guest candidates for a lease (:class:`GuestIndex`); the least-loaded device of a tenant's container
+(:class:`LoadIndex`, what :func:`shared.policies.base.least_loaded` finds by scanning).
+
 
 ``slice`` ranks guest candidates by ``(idle, -staged, same host, load, -free memory, id)`` and asks the what-if
 about the first few (``max_candidates``). ``staged`` (the tenant's weights already on the guest) and ``same host``
@@ -105,3 +109,60 @@ class GuestIndex:
         scored = [(full_key(g, tenant, host), g) for g in picked]
         scored.sort(key=lambda x: x[0])
         return [g for _, g in scored[:k]]
+
+
+class LoadIndex:
+    """Each container's devices in :func:`~shared.policies.base.least_loaded` order: ``(queued + running, queued
+    prompt tokens, position in the container)``; the first one not at the queue cap and not draining is what the
+    scan returns (it keeps the first of equal keys, so position breaks ties the same way)."""
+
+    def __init__(self, devices: dict[str, DeviceState], containers: dict[str, list[str]]) -> None:
+        self.devices = devices
+        self.containers = dict(containers)  # the same list objects: least_loaded() checks identity
+        self._sizes = {t: len(ds) for t, ds in containers.items()}
+        self._order: dict[str, list[tuple]] = {}
+        self._key: dict[tuple[str, int], tuple] = {}
+        self._where: dict[str, list[tuple[str, int]]] = {}
+        for t, ds in self.containers.items():
+            keys = []
+            for pos, did in enumerate(ds):
+                g = devices[did]
+                key = self._key[(t, pos)] = (g.queued + g.running, g.queued_prefill_tokens, pos, did)
+                keys.append(key)
+                self._where.setdefault(did, []).append((t, pos))
+            keys.sort()
+            self._order[t] = keys
+
+    def update(self, g: DeviceState) -> None:
+        for t, pos in self._where.get(g.id, ()):
+            key = (g.queued + g.running, g.queued_prefill_tokens, pos, g.id)
+            old = self._key[(t, pos)]
+            if key != old:
+                order = self._order[t]
+                del order[bisect_left(order, old)]
+                insort(order, key)
+                self._key[(t, pos)] = key
+
+    def least_loaded(self, tenant: str, devs: list[str], cap: int) -> tuple[bool, str | None]:
+        """(known, device): ``known`` is False when ``devs`` is not the container this index was built for."""
+        if self.containers.get(tenant) is not devs or self._sizes[tenant] != len(devs):
+            return False, None
+        devices = self.devices
+        for key in self._order[tenant]:
+            g = devices[key[3]]
+            if g.queued >= cap or g.draining:
+                continue
+            return True, key[3]
+        return True, None
+
+
+class Indexes:
+    """What ``slice`` keeps on a tracked snapshot (``ClusterSnapshot.device_index``)."""
+
+    def __init__(self, devices: dict[str, DeviceState], containers: dict[str, list[str]]) -> None:
+        self.guests = GuestIndex(devices)
+        self.load = LoadIndex(devices, containers)
+
+    def update(self, g: DeviceState) -> None:
+        self.guests.update(g)
+        self.load.update(g)

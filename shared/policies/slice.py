@@ -19,7 +19,7 @@ from shared.costmodel import cost_for
 from shared.policies.actions import Action, ExtendLease, GrantLease, Placement, RevokeLease, Trigger
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, least_loaded
 from shared.policies.container import container_placement
-from shared.policies.guest_index import GuestIndex, rank_all
+from shared.policies.guest_index import Indexes, rank_all
 from shared.policies.snapshot import ClusterSnapshot, DeviceState
 
 
@@ -87,7 +87,13 @@ class SlicePolicy(Policy):
         devs = self.devices_of.get(tenant)
         if devs is None:
             devs = self.devices_of[tenant] = [d.id for d in snapshot.tenant_devices(tenant)]
-        best = least_loaded(devs, snapshot, self.config.max_queue_per_device)
+        known, best = (self._indexes(snapshot).load.least_loaded(tenant, devs, self.config.max_queue_per_device)
+                       if snapshot.tracked else (False, None))
+        if not known:
+            best = least_loaded(devs, snapshot, self.config.max_queue_per_device)
+        elif self.check_index:
+            want = least_loaded(devs, snapshot, self.config.max_queue_per_device)
+            assert best == want, f"load index out of date: {best} != {want}"
         if best is None or not snapshot.leases:
             return best
         model = snapshot.tenants[tenant].model
@@ -216,21 +222,28 @@ class SlicePolicy(Policy):
 
     def _behind(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> bool:
         """TTFT predicted past behind_fraction of its target, or TPOT past 90% of it."""
-        return self._urgency(d, snapshot, whatif) > self.cfg.behind_fraction
+        bf = self.cfg.behind_fraction
+        if not (d.running or d.queued_prefill_tokens) and bf >= 0:
+            return False  # nothing to run: its next iteration takes no time, so its urgency is 0
+        return self._urgency(d, snapshot, whatif) > bf
 
     def _tenant_behind(self, tenant: str, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> bool:
         """At least ``tenant_behind_fraction`` of the tenant's container (``d`` included) is behind. A tenant with
         many devices absorbs a load spike on one of them by routing to the others; a lease for it would take guest
         time that a tenant with nowhere else to go needs (α = 2.1: the largest tenant, 16 devices and no
         violations, held 4× the lane time of the bursty one that had them all)."""
-        devs = [did for did in self.devices_of.get(tenant, ()) if did != d.id
-                and snapshot.devices[did].home_tenant == tenant and not snapshot.devices[did].draining]
-        need = self.cfg.tenant_behind_fraction * (len(devs) + 1) - 1.0  # d itself is behind
+        cfg, devices = self.cfg, snapshot.devices
+        devs = [g for g in (devices[did] for did in self.devices_of.get(tenant, ()) if did != d.id)
+                if g.home_tenant == tenant and not g.draining]
+        need = cfg.tenant_behind_fraction * (len(devs) + 1) - 1.0  # d itself is behind
+        if cfg.behind_fraction >= 0:  # a device with nothing to run is never behind (see _behind): skip those
+            devs = [g for g in devs if g.running or g.queued_prefill_tokens]
+        # the answer is whether at least `need` of them are behind: stop as soon as that is decided either way
         n, left = 0, len(devs)
-        for did in devs:
-            if n >= need or n + left < need:  # decided either way: the rest cannot change the answer
+        for g in devs:
+            if n >= need or n + left < need:
                 break
-            n += self._behind(snapshot.devices[did], snapshot, whatif)
+            n += self._behind(g, snapshot, whatif)
             left -= 1
         return n >= need
 
@@ -356,6 +369,13 @@ class SlicePolicy(Policy):
                     1.0 - tpot0 * stretch0 / (cfg.guest_margin * sla.tpot_ms / 1e3))
         return max(0.0, min(room, limit - g.guest_share - SHARE_EPS))
 
+    def _indexes(self, snapshot: ClusterSnapshot) -> Indexes:
+        """The indexes this policy keeps on a tracked snapshot (built on first use)."""
+        idx = snapshot.device_index
+        if not isinstance(idx, Indexes):
+            idx = snapshot.device_index = Indexes(snapshot.devices, self.devices_of)
+        return idx
+
     def _guests(self, d: DeviceState, snapshot: ClusterSnapshot, exclude: set[str]) -> list[DeviceState]:
         """Bounded candidate set: idle first, then those with the tenant's weights staged (reuse: no staging),
         same host first, least loaded, most free memory (:func:`~shared.policies.guest_index.full_key`). On a
@@ -367,10 +387,7 @@ class SlicePolicy(Policy):
 
         if not snapshot.tracked:
             return rank_all(snapshot.devices.values(), d.home_tenant, d.host, self.cfg.max_candidates, eligible)
-        idx = snapshot.device_index
-        if idx is None:
-            idx = snapshot.device_index = GuestIndex(snapshot.devices)
-        out = idx.rank(d.home_tenant, d.host, self.cfg.max_candidates, eligible)
+        out = self._indexes(snapshot).guests.rank(d.home_tenant, d.host, self.cfg.max_candidates, eligible)
         if self.check_index:  # tests: the index must give exactly what the full scan gives
             want = rank_all(snapshot.devices.values(), d.home_tenant, d.host, self.cfg.max_candidates, eligible)
             assert out == want, f"guest index out of date: {[g.id for g in out]} != {[g.id for g in want]}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from shared.config import SLA
 from shared.model.config import ModelConfig
@@ -88,43 +88,73 @@ class LeaseState:
 
 
 class LeaseTable(dict):
-    """``lease id -> LeaseState`` that counts its changes (``version``), so that the snapshot's indexes by guest,
-    home device and tenant are rebuilt only after a lease was added or removed, not per query. A lease's own
-    fields (state, end) may change in place: the indexes hold the lease objects, and callers filter on state."""
+    """``lease id -> LeaseState`` that keeps itself indexed by guest device, home device and tenant as leases are
+    added and removed (each group in the table's own order), so that the policies look leases up instead of
+    scanning them. A lease's own fields (state, end) may change in place; its devices and tenant never do."""
 
-    __slots__ = ("version",)
+    __slots__ = ("by_guest", "by_home", "by_tenant")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.version = 0
+        self._rebuild()
 
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        self.version += 1
+    def _rebuild(self) -> None:
+        self.by_guest: dict[str, dict[str, LeaseState]] = {}
+        self.by_home: dict[str, dict[str, LeaseState]] = {}
+        self.by_tenant: dict[str, dict[str, LeaseState]] = {}
+        for lid, lease in self.items():
+            self._file(lid, lease)
 
-    def __delitem__(self, key) -> None:
-        super().__delitem__(key)
-        self.version += 1
+    def _file(self, lid: str, lease: LeaseState) -> None:
+        self.by_guest.setdefault(lease.guest_device, {})[lid] = lease
+        self.by_home.setdefault(lease.home_device, {})[lid] = lease
+        self.by_tenant.setdefault(lease.tenant, {})[lid] = lease
 
-    def pop(self, *args):
-        self.version += 1
-        return super().pop(*args)
+    def _unfile(self, lid: str, lease: LeaseState) -> None:
+        for idx, key in ((self.by_guest, lease.guest_device), (self.by_home, lease.home_device),
+                         (self.by_tenant, lease.tenant)):
+            group = idx[key]
+            del group[lid]
+            if not group:
+                del idx[key]
+
+    def __setitem__(self, lid: str, lease: LeaseState) -> None:
+        replaced = lid in self
+        super().__setitem__(lid, lease)
+        if replaced:  # it keeps its place in the table: rebuild so that the groups keep the table's order
+            self._rebuild()
+        else:
+            self._file(lid, lease)
+
+    def __delitem__(self, lid: str) -> None:
+        lease = self[lid]
+        super().__delitem__(lid)
+        self._unfile(lid, lease)
+
+    def pop(self, lid: str, *default):
+        if lid in self:
+            lease = super().pop(lid)
+            self._unfile(lid, lease)
+            return lease
+        return super().pop(lid, *default)
 
     def popitem(self):
-        self.version += 1
-        return super().popitem()
+        lid, lease = super().popitem()
+        self._unfile(lid, lease)
+        return lid, lease
 
     def clear(self) -> None:
         super().clear()
-        self.version += 1
+        self._rebuild()
 
     def update(self, *args, **kwargs) -> None:
         super().update(*args, **kwargs)
-        self.version += 1
+        self._rebuild()
 
-    def setdefault(self, key, default=None):
-        self.version += 1
-        return super().setdefault(key, default)
+    def setdefault(self, lid: str, default=None):
+        if lid not in self:
+            self[lid] = default
+        return self[lid]
 
 
 _NO_LEASES: tuple = ()
@@ -145,7 +175,6 @@ class ClusterSnapshot:
     # snapshot current in place); policies may then keep indexes over the devices (``device_index``)
     tracked: bool = False
     device_index: Any = field(default=None, init=False, repr=False, compare=False)
-    _index: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def touch(self, d: DeviceState) -> None:
         """``d``'s fields changed (only meaningful on a tracked snapshot): bring the device index up to date."""
@@ -156,23 +185,11 @@ class ClusterSnapshot:
         if not isinstance(self.leases, LeaseTable):
             self.leases = LeaseTable(self.leases)
 
-    def _lease_index(self) -> tuple[dict, dict, dict]:
-        """(by guest device, by home device, by tenant), each list in the leases' insertion order."""
+    def _leases(self) -> LeaseTable:
         leases = self.leases
         if not isinstance(leases, LeaseTable):  # replaced by a plain dict after construction
             leases = self.leases = LeaseTable(leases)
-        idx = self._index
-        if idx is not None and idx[0] is leases and idx[1] == leases.version:
-            return idx[2]
-        by_guest: dict[str, list[LeaseState]] = {}
-        by_home: dict[str, list[LeaseState]] = {}
-        by_tenant: dict[str, list[LeaseState]] = {}
-        for lease in leases.values():
-            by_guest.setdefault(lease.guest_device, []).append(lease)
-            by_home.setdefault(lease.home_device, []).append(lease)
-            by_tenant.setdefault(lease.tenant, []).append(lease)
-        self._index = (leases, leases.version, (by_guest, by_home, by_tenant))
-        return by_guest, by_home, by_tenant
+        return leases
 
     def link_kind(self, a: str, b: str) -> str:
         """Link kind between two devices (same host: intra-host link)."""
@@ -183,14 +200,18 @@ class ClusterSnapshot:
         """Devices holding an engine of ``tenant``."""
         return [d for d in self.devices.values() if tenant in d.tenants]
 
-    def leases_on(self, device: str) -> list[LeaseState]:
-        """Leases hosted by ``device`` (any state), in the order they were added; do not modify the list."""
-        return self._lease_index()[0].get(device, _NO_LEASES)  # type: ignore[return-value]
+    def leases_on(self, device: str) -> Iterable[LeaseState]:
+        """Leases hosted by ``device`` (any state), in the order they were added (a view: do not change the
+        leases while iterating it)."""
+        group = self._leases().by_guest.get(device)
+        return group.values() if group else _NO_LEASES
 
-    def leases_from(self, device: str) -> list[LeaseState]:
-        """Leases whose home (driving) device is ``device``, in the order they were added; do not modify."""
-        return self._lease_index()[1].get(device, _NO_LEASES)  # type: ignore[return-value]
+    def leases_from(self, device: str) -> Iterable[LeaseState]:
+        """Leases whose home (driving) device is ``device``, in the order they were added (a view)."""
+        group = self._leases().by_home.get(device)
+        return group.values() if group else _NO_LEASES
 
-    def leases_of(self, tenant: str) -> list[LeaseState]:
-        """Leases of ``tenant``, in the order they were added; do not modify the list."""
-        return self._lease_index()[2].get(tenant, _NO_LEASES)  # type: ignore[return-value]
+    def leases_of(self, tenant: str) -> Iterable[LeaseState]:
+        """Leases of ``tenant``, in the order they were added (a view)."""
+        group = self._leases().by_tenant.get(tenant)
+        return group.values() if group else _NO_LEASES

@@ -32,7 +32,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", default=str(REPO_CONFIGS / "tenants-16mix.yaml"), help="with --trace")
     p.add_argument("--alpha", type=nonneg_float, default=1.3, help="with --trace")
     p.add_argument("--policy", default="container")
-    p.add_argument("--rate-scale", type=positive_float, default=1.0)
+    p.add_argument("--rate-scale", type=positive_float, default=None, help="default: the workload's (1 with --trace)")
     p.add_argument("--scale-mode", choices=SCALE_MODES, default=None, help="default: the workload's")
     p.add_argument("--containers", default="homes", metavar="homes|sized|FILE",
                    help="the static partition (as `slicesched simulate --containers`)")
@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     spec = _spec(args, str(Path(args.cluster).resolve()))
     t0 = time.perf_counter()
     w = workload_from_spec(spec, args.rate_scale)
+    scale = spec.rate_scale if args.rate_scale is None else args.rate_scale
     build_s = time.perf_counter() - t0
     check_tenants_fit(cluster, w)
     load0, cpu0 = os.getloadavg(), time.process_time()
@@ -77,13 +78,13 @@ def run(args: argparse.Namespace) -> int:
            "speedup_vs_real_time": out["end_s"] / out["wall_s"],
            "workload_build_s": build_s, "tokens_per_s": out["tokens_per_s"], "violation_rate": out["violation_rate"],
            "policy": args.policy, "devices": len(cluster.devices), "tenants": len(w.tenants.tenants),
-           "workload": w.name, "trace": args.trace, "rate_scale": args.rate_scale, "scale_mode": spec.scale_mode,
+           "workload": w.name, "trace": args.trace, "rate_scale": scale, "scale_mode": spec.scale_mode,
            "containers": args.containers, "duration_s": args.duration_s, "seed": args.seed,
            "loadavg_1m": {"start": load0[0], "end": load1[0]},
            "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d", time.gmtime())}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1))
-    print(f"simspeed ({args.policy}, {w.name}, rate scale {args.rate_scale:g} {spec.scale_mode}): "
+    print(f"simspeed ({args.policy}, {w.name}, rate scale {scale:g} {spec.scale_mode}): "
           f"{res['requests']} requests, {res['events']} events in {res['wall_s']:.2f} s wall, {cpu_s:.2f} s CPU "
           f"({res['events_per_s']:.0f} events/s, {res['speedup_vs_real_time']:.0f}x real time; workload built in "
           f"{build_s:.2f} s; 1-min load {load0[0]:.1f} -> {load1[0]:.1f} on {os.cpu_count()} CPUs)")

@@ -36,6 +36,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "results": ("bench.bench_results", "regenerate docs/results.md and the README headline"),
     "overload": ("bench.bench_overload", "goodput, rejects, accepted p99 and memory at 1x/2x/5x capacity"),
     "costmodel": ("bench.bench_costmodel", "GPU cost model vs measured H100/A100 timings (Vidur); --fit-out"),
+    "scale": ("bench.bench_scale", "decision/what-if latency and simulator speed from 32 to 1,024 devices"),
 }
 
 

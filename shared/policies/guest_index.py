@@ -157,12 +157,33 @@ class LoadIndex:
 
 
 class Indexes:
-    """What ``slice`` keeps on a tracked snapshot (``ClusterSnapshot.device_index``)."""
+    """What ``slice`` keeps on a tracked snapshot (``ClusterSnapshot.device_index``). A device change only marks
+    the device (the simulator reports one per event); each index refiles the devices marked since it was last
+    asked, just before it answers, so that many changes of one device between two questions cost one refiling."""
 
     def __init__(self, devices: dict[str, DeviceState], containers: dict[str, list[str]]) -> None:
-        self.guests = GuestIndex(devices)
-        self.load = LoadIndex(devices, containers)
+        self.devices = devices
+        self._guests = GuestIndex(devices)
+        self._load = LoadIndex(devices, containers)
+        self._dirty_guests: set[str] = set()
+        self._dirty_load: set[str] = set()
 
     def update(self, g: DeviceState) -> None:
-        self.guests.update(g)
-        self.load.update(g)
+        self._dirty_guests.add(g.id)
+        self._dirty_load.add(g.id)
+
+    @property
+    def guests(self) -> GuestIndex:
+        if self._dirty_guests:
+            for did in self._dirty_guests:
+                self._guests.update(self.devices[did])
+            self._dirty_guests.clear()
+        return self._guests
+
+    @property
+    def load(self) -> LoadIndex:
+        if self._dirty_load:
+            for did in self._dirty_load:
+                self._load.update(self.devices[did])
+            self._dirty_load.clear()
+        return self._load

@@ -128,7 +128,12 @@ class SimDevice:
 
     def own_active(self) -> bool:
         """The device's own tenant has work (busy or queued)."""
-        return self.cur is not None or any(e.outstanding for e in self.engines)
+        if self.cur is not None:
+            return True
+        for e in self.engines:
+            if e.waiting or e.prefilling or e.decoding:
+                return True
+        return False
 
     def lane_share(self) -> float:
         """Share of the parent's time this lane gets now (see :meth:`share_for`)."""
@@ -189,9 +194,13 @@ class SimDevice:
                 else:
                     p.start(now)
                 return
-            if self.cur is not None or any(lane.cur is not None for lane in self.lanes):
+            if self.cur is not None:
                 return
-            if self.lanes:
+            lanes = self.lanes
+            if lanes:
+                for lane in lanes:
+                    if lane.cur is not None:
+                        return
                 lane, waiting = self._lane_due(now)
                 if lane is not None:
                     lane._step(now, single=True)
@@ -207,18 +216,30 @@ class SimDevice:
         prompts to prefill, never twice in a row while it decodes (a run of lane iterations would stall its
         tokens), and otherwise while the guest time over the last ``LANE_WINDOW_S`` is within the share the own
         tenant yields (``f_dyn``, at least ``MIN_GUEST_SHARE``); the lane that ran longest ago goes first."""
-        ready = [lane for lane in self.lanes if any(e.ready(now) for e in lane.engines)]
-        if not ready:
+        lane = None  # the ready lane with the earliest cur_end (the first of equals)
+        for x in self.lanes:
+            for e in x.engines:
+                if e.ready(now):
+                    if lane is None or x.cur_end < lane.cur_end:
+                        lane = x
+                    break
+        if lane is None:
             return None, False
-        lane = min(ready, key=lambda x: x.cur_end)
-        if not any(e.ready(now) for e in self.engines):
+        engines = self.engines
+        for e in engines:
+            if e.ready(now):
+                break
+        else:
             return lane, True
-        if any(e.waiting or e.prefilling for e in self.engines):
-            return None, True  # the own tenant's prompts first (its TTFT), as in the fluid model
+        for e in engines:
+            if e.waiting or e.prefilling:
+                return None, True  # the own tenant's prompts first (its TTFT), as in the fluid model
         h = self.hist
         h.trim(now - LANE_WINDOW_S)
-        if h and h[-1][2] and any(e.decoding for e in self.engines):
-            return None, True  # one lane iteration at most between two of the own tenant's (its TPOT)
+        if h and h[-1][2]:
+            for e in engines:
+                if e.decoding:
+                    return None, True  # one lane iteration at most between two of the own tenant's (its TPOT)
         if h.guest_within(max(MIN_GUEST_SHARE, self.f_dyn - self.guest_share("segments"))):
             return lane, True
         return None, True
@@ -226,16 +247,24 @@ class SimDevice:
     def _step(self, now: float, single: bool) -> None:
         """Pick one of this device's (or lane's) engines with work and schedule its next step (one iteration when
         ``single``, so that a waiting lane gets its turn at the next boundary)."""
-        ready = [e for e in self.engines if e.ready(now)]
-        if not ready:
-            return
-        eng = self._pick(ready)
+        engines = self.engines
+        if len(engines) == 1:
+            eng = engines[0]
+            if not eng.ready(now):
+                return
+            n_ready = 1
+        else:
+            ready = [e for e in engines if e.ready(now)]
+            if not ready:
+                return
+            eng = self._pick(ready)
+            n_ready = len(ready)
         if self.parent is not None:
             self.home_active = self.parent.own_active()
             eng.slowdown = 1.0 if self.exclusive_lanes else 1.0 / max(1e-6, self.lane_share())
         else:
             eng.slowdown = 1.0
-        n, dur = eng.plan(now, exclusive=len(ready) == 1 and not single)
+        n, dur = eng.plan(now, exclusive=n_ready == 1 and not single)
         if self.parent is None and (self.hosted or self.f_dyn):
             dur = self._yield(eng, n, dur, now)
         if self.sharing == "switch":

@@ -71,6 +71,7 @@ class SlicePolicy(Policy):
         self._prefill_cost: dict[tuple[int, str], float] = {}
         self._last_seek: dict[str, float] = {}
         self._extra: list[GrantLease] = []
+        self._iter_of: dict[str, tuple] = {}  # device -> (what its own iteration was computed from..., cost, it, p)
 
     @property
     def cfg(self) -> SliceConfig:
@@ -215,8 +216,15 @@ class SlicePolicy(Policy):
     def _urgency(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> float:
         """Predicted worst TTFT (or TPOT) of the tenant on ``d`` as a fraction of its target (the larger)."""
         t = snapshot.tenants[d.home_tenant]  # type: ignore[index]
-        cost = whatif.cost(t, d.kind)
-        it, b, p, _ = whatif.device_iteration(cost, d)
+        # the device's own iteration, remembered per device until its batch, queue, tenant or what-if changes
+        c = self._iter_of.get(d.id)
+        if c is None or c[0] is not t or c[1] is not whatif or c[2] is not t.model or c[3] != d.running or \
+                c[4] != d.queued_prefill_tokens or c[5] != d.decode_kv_tokens or c[6] != d.kind:
+            cost = whatif.cost(t, d.kind)
+            it, _, p, _ = whatif.device_iteration(cost, d)
+            c = self._iter_of[d.id] = (t, whatif, t.model, d.running, d.queued_prefill_tokens, d.decode_kv_tokens,
+                                       d.kind, cost, it, p)
+        cost, it, p = c[7], c[8], c[9]
         ttft, tpot = whatif.tenant_latency(cost, d, t, snapshot.now, it, p)
         return max(ttft / (t.sla.ttft_ms / 1e3), tpot / (t.sla.tpot_ms / 1e3) * self.cfg.behind_fraction / 0.9)
 

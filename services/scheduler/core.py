@@ -59,12 +59,15 @@ class DeviceView:
 
     def __setattr__(self, name: str, value) -> None:
         if name in SNAPSHOT_FIELDS and getattr(self, name, _UNSET) != value:
-            object.__setattr__(self, "version", getattr(self, "version", 0) + 1)
+            self.touch()
         object.__setattr__(self, name, value)
 
     def touch(self) -> None:
-        """A list field was changed in place: the snapshot builder must look at this device again."""
-        self.version += 1
+        """A field the snapshot reads changed (a list in place, say): the snapshot builder must look again."""
+        object.__setattr__(self, "version", getattr(self, "version", 0) + 1)
+        sink = self.__dict__.get("_sink")  # set by the snapshot builder: the devices to look at next build
+        if sink is not None:
+            sink.add(self.id)
 
     def on_heartbeat(self, ts: float, queued: int, prefill_tokens: int, oldest_ts: float) -> None:
         self.worker_queued, self.prefill_tokens, self.prefill_oldest_ts = queued, prefill_tokens, oldest_ts
@@ -105,9 +108,11 @@ class AssignedTable(dict):
         self.per_device: dict[str, int] = {}
         self.ctx: dict[str, int] = {}  # device -> sum of prompt + max_tokens // 2 (decode context estimate)
         self.per_tenant: dict[str, int] = {}
+        self.changed: set[str] = set()  # devices whose aggregates changed (the snapshot builder clears it)
 
     def _add(self, a: tuple, k: int) -> None:
         dev, req = a[0], a[1]
+        self.changed.add(dev)
         self.per_device[dev] = self.per_device.get(dev, 0) + k
         self.ctx[dev] = self.ctx.get(dev, 0) + k * (len(req.prompt_ids) + req.max_tokens // 2)
         self.per_tenant[req.tenant] = self.per_tenant.get(req.tenant, 0) + k
@@ -131,6 +136,7 @@ class AssignedTable(dict):
         return super().pop(rid, *default)
 
     def clear(self) -> None:
+        self.changed.update(self.per_device)
         super().clear()
         self.per_device.clear()
         self.ctx.clear()

@@ -50,6 +50,18 @@ class SnapshotBuilder:
         self._fields: dict[str, tuple] = {}  # device -> the fields its DeviceState holds
         self._seen: dict[str, tuple] = {}  # device -> (row, view, view version, queue version, context, share)
         self._snap: ClusterSnapshot | None = None
+        # what the last build saw, to find the devices whose inputs may have changed since (see _changed)
+        self._dev = {d.id: d for d in cluster.devices}
+        self._homes: dict[str, list[str]] = {}
+        for did, t in self.home_of.items():
+            self._homes.setdefault(t, []).append(did)
+        self._dirty_views: set[str] = set()  # the views report their changes here (DeviceView.touch)
+        self._views: object = None
+        self._n_views = -1
+        self._rows_obj: object = None
+        self._rows_seen: dict[str, dict] = {}
+        self._qver: dict[str, int] = {}
+        self._shares: dict[str, float] = {}
 
     def _resident(self, device: str, raw: str) -> dict[tuple[str, str], int]:
         """The device row's ``resident`` field (``tenant|segment,…``) as a dict, parsed once per change (the same
@@ -95,8 +107,9 @@ class SnapshotBuilder:
         snap = self._snap
         if snap is None:
             snap = self._snap = self._first(now)
+        changed = self._changed(views, rows, assigned, shares)
         devices, fields, seen, versions = snap.devices, self._fields, self._seen, self.core.queues.versions
-        for d in self.cluster.devices:
+        for d in (self.cluster.devices if changed is None else [self._dev[did] for did in changed]):
             did = d.id
             row, v = rows.get(did, _NO_ROW), views.get(did)
             home = self.home_of.get(did)
@@ -144,6 +157,43 @@ class SnapshotBuilder:
         snap.now = now
         snap.leases = LeaseTable(leases)
         return snap
+
+    def _changed(self, views: dict[str, DeviceView], rows: dict[str, dict[str, str]], assigned: dict,
+                 shares: dict[str, float]) -> set[str] | None:
+        """The devices whose inputs may have changed since the last build, or None for every device (the first
+        build, a plain placements dict, or a views mapping that is not the one seen last or changed size)."""
+        versions = self.core.queues.versions
+        changed_assigned = getattr(assigned, "changed", None)
+        if changed_assigned is None or views is not self._views or len(views) != self._n_views:
+            self._views, self._n_views = views, len(views)
+            for v in views.values():  # one builder per scheduler: the first one to see a view hears of it
+                if v.__dict__.get("_sink") is None:
+                    object.__setattr__(v, "_sink", self._dirty_views)
+            self._dirty_views.clear()
+            if changed_assigned is not None:
+                changed_assigned.clear()
+            self._rows_obj, self._rows_seen = rows, dict(rows)
+            self._qver, self._shares = dict(versions), shares
+            return None
+        out = set(self._dirty_views)
+        self._dirty_views.clear()
+        out |= changed_assigned
+        changed_assigned.clear()
+        if rows is not self._rows_obj:  # a device refresh: rows whose content changed are new objects
+            seen = self._rows_seen
+            out.update(did for did, row in rows.items() if seen.get(did) is not row)
+            out.update(seen.keys() - rows.keys())
+            self._rows_obj, self._rows_seen = rows, dict(rows)
+        if versions != self._qver:
+            for t, ver in versions.items():
+                if self._qver.get(t) != ver:
+                    out.update(self._homes.get(t, ()))
+            self._qver = dict(versions)
+        old = self._shares
+        if shares != old:
+            out.update(g for g in shares.keys() | old.keys() if shares.get(g, 0) != old.get(g, 0))
+        self._shares = shares
+        return {did for did in out if did in self._dev}
 
     def _first(self, now: float) -> ClusterSnapshot:
         """The snapshot's skeleton: every device and tenant with nothing known yet (build fills them in)."""
@@ -230,27 +280,39 @@ class LeaseManager:
         device's home tenant's or ``keep``'s — until ``need`` bytes are free; returns the bytes evicted (0 when
         nothing could be). The simulator stages the same way (``DeviceMemory.make_room``): cached weights are
         reclaimable memory, not a reason to refuse a lease."""
-        row = await self.store.device(device)
+        exclude = tuple(t for t in (self.home_of.get(device), keep) if t)
+        # the device's memory and its evictable entries in one round trip (the entries are not needed when it fits)
+        row, entries = await asyncio.gather(self.store.device(device), self.leases_store.unpinned(device, exclude))
         free = int(float(row.get("limit") or 0)) - int(float(row.get("reserved") or 0))
         if free >= need:
             return 0
-        exclude = tuple(t for t in (self.home_of.get(device), keep) if t)
-        cands = sorted(await self.leases_store.unpinned(device, exclude),
-                       key=lambda e: self._last_used.get((device, e[0], e[1]), 0.0))
+        cands = sorted(entries, key=lambda e: self._last_used.get((device, e[0], e[1]), 0.0))
         if free + sum(n for _, _, n in cands) < need:
             return 0  # evicting would not make it fit: keep the cache
+        # the least recently used entries that make it fit are evicted together (one round trip); if one of them
+        # was pinned or evicted meanwhile, the next ones in order follow
+        first, total = 0, free
+        while first < len(cands) and total < need:
+            total += cands[first][2]
+            first += 1
+        done = await asyncio.gather(*(self.leases_store.evict(device, t, [seg]) for t, seg, _ in cands[:first]))
         freed = 0
-        for tenant, seg, n in cands:
+        for (tenant, seg, _), res in zip(cands[:first], done):
+            freed += self._evicted(device, tenant, seg, res)
+        for tenant, seg, n in cands[first:]:
             if free + freed >= need:
                 break
-            res = await self.leases_store.evict(device, tenant, [seg])
-            if isinstance(res, Refused):  # pinned or evicted meanwhile
-                continue
-            freed += res
-            self.evicted += 1
-            self._resident.discard((device, tenant, seg))
-            log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=res, by="scheduler")
+            freed += self._evicted(device, tenant, seg, await self.leases_store.evict(device, tenant, [seg]))
         return freed
+
+    def _evicted(self, device: str, tenant: str, seg: str, res: int | Refused) -> int:
+        """Account one eviction's outcome; the bytes it freed (0 when refused: pinned or evicted meanwhile)."""
+        if isinstance(res, Refused):
+            return 0
+        self.evicted += 1
+        self._resident.discard((device, tenant, seg))
+        log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=res, by="scheduler")
+        return res
 
     async def revoke(self, lease_id: str, reason: str, state: str = "revoked") -> bool:
         st = self.active.pop(lease_id, None)

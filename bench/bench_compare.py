@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from loadgen.mix import SCALE_MODES
 from shared.argtypes import nonneg_int, positive_float, positive_int, seed_list
@@ -196,6 +196,9 @@ def containers_mode(args: argparse.Namespace) -> str:
 def resolve_containers(args: argparse.Namespace) -> tuple[dict[str, list[str]] | None, dict[str, Any]]:
     """(homes for every policy — None for the tenants file's —, a description for the result JSON). ``plan``
     plans on the tuning seeds with the simulator (also for the meshes: their cluster modelled)."""
+    if isinstance(getattr(args, "containers", None), Mapping):  # already resolved (e.g. a mesh and its prediction)
+        c = dict(args.containers)
+        return c.get("homes"), c
     mode = containers_mode(args)
     if mode == "homes":
         return None, {"mode": "homes"}

@@ -27,14 +27,14 @@ from typing import Any
 
 import yaml
 
-from shared.argtypes import positive_float, positive_int
+from shared.argtypes import positive_float, positive_int, seed_list
 from shared.config import ConfigError, load_cluster
 
 PARTS = ("sim", "emulated", "real")
 SIM_WORKLOADS = ("configs/workloads/azure-16mix-a0.7.yaml", "configs/workloads/azure-16mix-a1.3.yaml",
                  "configs/workloads/azure-16mix-a2.1.yaml", "configs/workloads/servegen-16mix.yaml")
 SIM_CLUSTER = "configs/cluster-h100x32.yaml"
-SIM_POLICIES = "container,container-realloc,muxserve,token-pool,slice,pooled-bound"
+SIM_POLICIES = "container,container-avgwork,container-realloc,muxserve,token-pool,slice,pooled,pooled-bound"
 EMULATED = ("configs/workloads/emulated-6mix.yaml", "configs/cluster-emulated8.yaml")
 REAL = ("configs/workloads/tiny-bursty.yaml", "configs/cluster.yaml")
 MESH_POLICIES = ("container", "slice")
@@ -49,10 +49,14 @@ class Search:
     start_scale: float
     tolerance: float
     max_scale: float
+    seeds: tuple[int, ...] | None = None  # reporting arrival seeds (None: the workload file's)
+    tuning_seeds: tuple[int, ...] = (101, 102)  # the containers are planned on these
+    plan_duration_s: float | None = None  # plan on the first D s (None: as the search)
 
 
-FULL = {"sim": Search(None, 4.0, 0.04, 256.0), "mesh": Search(None, 1.0, 0.1, 32.0)}
-QUICK = {"sim": Search(60.0, 4.0, 0.25, 64.0), "mesh": Search(20.0, 1.0, 0.25, 32.0)}
+FULL = {"sim": Search(None, 16.0, 0.04, 256.0, (1, 2, 3), (101, 102), 900.0),
+        "mesh": Search(None, 1.0, 0.1, 32.0, None, (101, 102))}
+QUICK = {"sim": Search(60.0, 8.0, 0.25, 64.0, (1,), (101,)), "mesh": Search(20.0, 1.0, 0.25, 32.0, None, (101,))}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -71,6 +75,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-workloads", default=",".join(SIM_WORKLOADS))
     p.add_argument("--sim-cluster", default=SIM_CLUSTER)
     p.add_argument("--sim-policies", default=SIM_POLICIES)
+    p.add_argument("--sim-seeds", type=seed_list, default=None, help="reporting arrival seeds of the sim part "
+                                                                       "(default 1,2,3; --quick: 1)")
     p.add_argument("--render-only", action="store_true", help="only re-render the pages from the JSON in --out")
 
 
@@ -84,7 +90,8 @@ def results_command(args: argparse.Namespace) -> str:
                                  ("--tolerance", args.tolerance, None), ("--start-scale", args.start_scale, None),
                                  ("--sim-workloads", args.sim_workloads, ",".join(SIM_WORKLOADS)),
                                  ("--sim-cluster", args.sim_cluster, SIM_CLUSTER),
-                                 ("--sim-policies", args.sim_policies, SIM_POLICIES)):
+                                 ("--sim-policies", args.sim_policies, SIM_POLICIES),
+                                 ("--sim-seeds", ",".join(map(str, args.sim_seeds)) if args.sim_seeds else None, None)):
         if value != default:
             argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return shlex.join(argv)
@@ -93,17 +100,20 @@ def results_command(args: argparse.Namespace) -> str:
 def search_for(args: argparse.Namespace, kind: str) -> Search:
     base = (QUICK if args.quick else FULL)[kind]
     dur = args.sim_duration_s if kind == "sim" else args.mesh_duration_s
+    seeds = args.sim_seeds if kind == "sim" and args.sim_seeds else base.seeds
     return Search(dur if dur is not None else base.duration_s,
                   args.start_scale if args.start_scale is not None else base.start_scale,
-                  args.tolerance if args.tolerance is not None else base.tolerance, base.max_scale)
+                  args.tolerance if args.tolerance is not None else base.tolerance, base.max_scale, seeds,
+                  base.tuning_seeds, base.plan_duration_s if dur is None else min(dur, base.plan_duration_s or dur))
 
 
 def _compare_ns(workload: str, cluster: str, fidelity: str, s: Search, jobs: int,
-                containers: str | None = None) -> argparse.Namespace:
+                containers: Any = "plan") -> argparse.Namespace:
     return argparse.Namespace(workload=str(Path(workload).resolve()), cluster=str(Path(cluster).resolve()),
-                              fidelity=fidelity, seed=None, duration_s=s.duration_s, start_scale=s.start_scale,
-                              tolerance=s.tolerance, max_scale=s.max_scale, jobs=jobs, json_out=None,
-                              containers=containers)
+                              fidelity=fidelity, seed=None, seeds=s.seeds, tuning_seeds=s.tuning_seeds,
+                              duration_s=s.duration_s, plan_duration_s=s.plan_duration_s, scale_mode=None,
+                              start_scale=s.start_scale, tolerance=s.tolerance, max_scale=s.max_scale, jobs=jobs,
+                              json_out=None, containers=containers)
 
 
 def _full_duration(workload: str) -> float | None:
@@ -124,7 +134,7 @@ def _check_png(path: Path | None) -> None:
 
 def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str, s: Search, jobs: int,
                  json_out: Path, cmd: str, quick: bool, hook: Any = None,
-                 containers: str | None = None) -> dict[str, Any]:
+                 containers: Any = "plan") -> dict[str, Any]:
     """One ``bench compare`` run, with its ``meta`` block, saved to ``json_out``."""
     from bench.bench_compare import compare
     from bench.results.meta import compare_command, describe_setup, run_meta
@@ -132,7 +142,9 @@ def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str
     if hook is not None:
         ns.mesh_hook = hook
     opts = {"duration_s": s.duration_s, "start_scale": s.start_scale, "tolerance": s.tolerance,
-            "max_scale": s.max_scale, "jobs": jobs if fidelity == "sim" else None, "containers": containers}
+            "max_scale": s.max_scale, "jobs": jobs if fidelity == "sim" else None, "seeds": s.seeds,
+            "tuning_seeds": s.tuning_seeds, "plan_duration_s": s.plan_duration_s,
+            "containers": containers if isinstance(containers, str) else None}
     print(f"bench results: {fidelity} {Path(workload).stem}: {', '.join(policies)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     res = compare(ns, policies)
@@ -160,12 +172,14 @@ def run_sim(args: argparse.Namespace, out: Path, cmd: str) -> None:
 def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> None:
     """container vs slice on one mesh (recording slice's busy-time timeline); for the emulated mesh also the
     simulator's prediction for the same workload and cluster, with the same search settings."""
+    from bench.bench_compare import resolve_containers
     from bench.results.timeline import TimelineRecorder
     wl, cluster = map(_in_repo, EMULATED if fidelity == "emulated" else REAL)
     s = search_for(args, "mesh")
+    planned = resolve_containers(_compare_ns(wl, cluster, "sim", s, 1))[1]  # one partition for mesh and prediction
     rec = TimelineRecorder(("slice",))
     res = compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"{fidelity}.json", cmd, args.quick,
-                       hook=rec)
+                       hook=rec, containers=planned)
     tl = rec.pick_busiest("slice")
     if tl is not None:
         per_point = sorted([s_, len(t["leases"]), t.get("violation_rate")] for (p, s_), t in rec.points.items()
@@ -176,9 +190,9 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
         (out / f"{fidelity}-timeline.json").unlink(missing_ok=True)
         (out / f"{fidelity}-timeline.png").unlink(missing_ok=True)
         print(f"slicesched bench results: no {fidelity} timeline was recorded", file=sys.stderr)
-    if fidelity == "emulated":  # predicted on the containers the mesh runs: the tenants file's home devices
+    if fidelity == "emulated":  # predicted on the containers the mesh ran
         compare_part(wl, cluster, list(MESH_POLICIES), "sim", s, args.jobs, out / "emulated-prediction.json", cmd,
-                     args.quick, containers="homes")
+                     args.quick, containers=planned)
 
 
 def _split(s: str) -> list[str]:

@@ -68,10 +68,13 @@ def compare_command(workload: str, cluster: str, policies: Sequence[str], fideli
     """The ``slicesched bench compare`` command line equivalent to one part of the results run."""
     argv = ["slicesched", "bench", "compare", "--workload", display_path(workload), "--cluster",
             display_path(cluster), "--policies", ",".join(policies), "--fidelity", fidelity]
-    for key in ("duration_s", "start_scale", "tolerance", "max_scale", "jobs"):
+    for key in ("duration_s", "plan_duration_s", "start_scale", "tolerance", "max_scale", "jobs"):
         if options.get(key) is not None:
             argv += [f"--{key.replace('_', '-')}", f"{options[key]:g}"]
-    if options.get("containers"):
+    for key in ("seeds", "tuning_seeds"):
+        if options.get(key):
+            argv += [f"--{key.replace('_', '-')}", ",".join(map(str, options[key]))]
+    if isinstance(options.get("containers"), str):
         argv += ["--containers", options["containers"]]
     argv += ["--json", display_path(json_out)]
     return shlex.join(argv)

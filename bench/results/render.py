@@ -80,34 +80,100 @@ def _leases(v: Any) -> str:
     return fmt(v, ".0f") if isinstance(v, (int, float)) else "–"
 
 
+def _range(r: Mapping[str, Any], key: str, spec: str) -> str:
+    """`` [lo–hi]`` of a median figure over several seeds (empty for one seed)."""
+    rng = r.get(f"{key}_range") if isinstance(r, Mapping) else None
+    if not rng or rng[0] == rng[1]:
+        return ""
+    return f" [{fmt(rng[0], spec)}–{fmt(rng[1], spec)}]"
+
+
 def policy_table(res: Mapping[str, Any]) -> list[str]:
-    """Per policy: max scale and tokens/s at ≤ 9% and ≤ 1% violations, × container, share of pooled-bound's gain."""
+    """Per policy (medians over the seeds, ranges in brackets): max scale and tokens/s at ≤ 9% and ≤ 1% violations,
+    × container, share of pooled-bound's gain, the worst tenant there."""
     rat, cap = res.get("ratio_to_container", {}), res.get("pooled_gain_captured", {})
     bound = "pooled-bound" in res["policies"]  # the share of its gain only exists when the bound was run
     share = " share of pooled-bound gain |" if bound else ""
-    lines = [f"| policy | max scale ≤9% | tok/s ≤9% | × container |{share} violations at that point | leases granted "
-             f"| max scale ≤1% | tok/s ≤1% | × container |{' share of gain |' if bound else ''}",
-             "|---|" + "---:|" * (10 if bound else 8)]
+    lines = [f"| policy | max scale ≤9% | tok/s ≤9% | × container |{share} violations there | worst tenant there "
+             f"| leases granted | max scale ≤1% | tok/s ≤1% | × container | worst tenant ≤1% |",
+             "|---|" + "---:|" * (11 if bound else 10)]
+    seeds = res.get("seeds") or [res.get("seed")]
+    if len(seeds) > 1:
+        lines[:0] = [f"Medians over the arrival seeds {', '.join(map(str, seeds))} (range in brackets); the worst "
+                     "tenant is the worst over the seeds.", ""]
     if (res.get("confirm") or 1) > 1:
         lines[:0] = [f"Each reported point passed {res['confirm']} replays (`--confirm`): its violation rate is the worst "
                      "of them, its tokens/s their mean.", ""]
     for name, r in res["policies"].items():
         c9 = f" {pct(cap.get(name, {}).get('9'))} |" if bound else ""
-        c1 = f" {pct(cap.get(name, {}).get('1'))} |" if bound else ""
-        lines.append(f"| {name} | {fmt(r['max_scale_9'], '.3g')} | {fmt(r['tokens_per_s_9'], '.1f')} | "
-                     f"{fmt(rat.get(name, {}).get('9'))} |{c9} {pct(r.get('violation_rate'))} | "
-                     f"{_leases(r.get('leases'))} | {fmt(r['max_scale_1'], '.3g')} | "
-                     f"{fmt(r['tokens_per_s_1'], '.1f')} | "
-                     f"{fmt(rat.get(name, {}).get('1'))} |{c1}")
+        x9, x1 = rat.get(name, {}), rat.get(name, {})
+        w9, w1 = r.get("worst_tenant_violation_rate_9"), r.get("worst_tenant_violation_rate_1")
+        wt9 = "–" if name == "pooled-bound" else f"{r.get('worst_tenant_9') or '–'} {pct(w9)}"
+        wt1 = "–" if name == "pooled-bound" else f"{r.get('worst_tenant_1') or '–'} {pct(w1)}"
+        lines.append(f"| {name} | {fmt(r['max_scale_9'], '.3g')}{_range(r, 'max_scale_9', '.3g')} | "
+                     f"{fmt(r['tokens_per_s_9'], '.1f')} | {fmt(x9.get('9'))}{_range(x9, '9', '.2f')} |{c9} "
+                     f"{pct(r.get('violation_rate'))} | {wt9} | {_leases(r.get('leases'))} | "
+                     f"{fmt(r['max_scale_1'], '.3g')} | {fmt(r['tokens_per_s_1'], '.1f')} | "
+                     f"{fmt(x1.get('1'))}{_range(x1, '1', '.2f')} | {wt1} |")
     return lines
+
+
+def containers_lines(res: Mapping[str, Any]) -> list[str]:
+    """Which partition every policy started from."""
+    c = res.get("containers") or {}
+    mode = c.get("mode", "homes")
+    if mode == "plan":
+        dev = c.get("devices") or {}
+        return [f"- containers: planned by `slicesched plan containers` on arrival seeds "
+                f"{', '.join(map(str, c.get('tuning_seeds') or []))} (not reported), every tenant within 9% up to rate "
+                f"scale {fmt(c.get('planned_scale'), '.3g')} there; devices per tenant: "
+                + ", ".join(f"{t} {n}" for t, n in dev.items())]
+    if mode == "sized":
+        return ["- containers: sized by average offered work (`container-avgwork`'s sizing)"]
+    if mode == "file":
+        return [f"- containers: from `{c.get('file')}`"]
+    return ["- containers: the tenants file's home devices"]
+
+
+def tenant_table(res: Mapping[str, Any], policies: tuple[str, ...] = ("container", "slice")) -> list[str]:
+    """Per tenant: violation rate at each policy's ≤ 9% boundary, one figure per seed."""
+    per = res.get("per_seed") or {}
+    seeds = list(per)
+    names = [p for p in policies if all(p in v["policies"] for v in per.values())]
+    if not per or not names:
+        return []
+    tenants: list[str] = []
+    for v in per.values():
+        for p in names:
+            for t in (v["policies"][p].get("tenants_9") or {}):
+                if t not in tenants:
+                    tenants.append(t)
+    if not tenants:
+        return []
+    lines = ["Per tenant, violations at each policy's ≤ 9% point (seeds " + ", ".join(seeds) + "; requests there "
+             "in brackets for the first seed):", "",
+             "| tenant | " + " | ".join(f"{p} ≤9%" for p in names) + " |", "|---|" + "---:|" * len(names)]
+    for t in tenants:
+        cells = []
+        for p in names:
+            vals = []
+            for k, v in per.items():
+                row = (v["policies"][p].get("tenants_9") or {}).get(t)
+                vals.append("–" if row is None else f"{100 * row['violation_rate']:.1f}")
+            first = (per[seeds[0]]["policies"][p].get("tenants_9") or {}).get(t)
+            cells.append(" / ".join(vals) + "%" + (f" ({first['requests']})" if first else ""))
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
     lines = ["## Simulated", "",
-             "Offline simulator (device profiles from the datasheet, uncalibrated, unless the cluster's profile says "
-             "otherwise); every policy on the same workload, cluster "
-             "and seed in one run. Max sustainable throughput = output tokens/s at the largest arrival-rate scale "
-             "whose SLA violations stay ≤ 9% (and ≤ 1%).", ""]
+             "Offline simulator (H100 profile fitted to measured operator timings, docs/profiling.md); every policy on "
+             "the same workload, cluster, seeds and planned containers in one run. SLA targets per request (5 × its "
+             "own isolated TTFT and TPOT); load scaled by adding users (`superpose`). Max sustainable throughput = "
+             "output tokens/s at the largest rate scale whose violations stay ≤ 9% (and ≤ 1%) in aggregate and for "
+             "every tenant with ≥ 100 requests. `pooled-bound` is the analytic ceiling (a fluid, fully pooled "
+             "cluster; `shared/sim/ceiling.py`), `pooled` a simulated free-weights pool (not a bound).", ""]
     if not sims:
         return lines + ["_Not run yet._", ""]
     summ = sim_summary_checks(sims)
@@ -116,12 +182,15 @@ def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
               f"Fidelity **simulated**; {metas[0]['machine']}; {', '.join(sorted({m['date'] for m in metas}))}; "
               "produced by " + ", ".join(f"`{c}`" for c in dict.fromkeys(m["results_command"] for m in metas))
               + " (each workload's exact `bench compare` command is given below).", "",
-              "| workload | slice × container ≤9% | ≤1% | slice's share of pooled-bound gain ≤9% | ≤1% | "
-              "ahead of container-realloc, muxserve, token-pool ≤9% |", "|---|---:|---:|---:|---:|---|"]
+              "| workload | slice × container ≤9% (median [range]) | ≤1% | slice's worst tenant ≤9% | slice's share of "
+              "pooled-bound gain ≤9% | ahead of container-realloc, muxserve, token-pool ≤9% | planned container ÷ "
+              "container-avgwork (scale ≤9%) |", "|---|---:|---:|---:|---:|---|---:|"]
     for w, res in sims.items():
         c = sim_checks(res)
-        lines.append(f"| {w} | {fmt(c['ratio_9'])} | {fmt(c['ratio_1'])} | {pct(c['captured_9'])} | "
-                     f"{pct(c['captured_1'])} | {yesno(c['ahead_9'])} |")
+        rng = c["ratio_9_range"]
+        r = f"{fmt(c['ratio_9'])}" + (f" [{fmt(rng[0])}–{fmt(rng[1])}]" if rng and rng[0] != rng[1] else "")
+        lines.append(f"| {w} | {r} | {fmt(c['ratio_1'])} | {pct(c['worst_tenant_9'])} | {pct(c['captured_9'])} | "
+                     f"{yesno(c['ahead_9'])} | {fmt(c['planned_over_avgwork'])} |")
     lines += ["", "Targets (≤ 9%): " + "; ".join(f"{k}: {yesno(v)}" for k, v in summ.items()), ""]
     for w, res in sims.items():
         for key in ("9", "1"):
@@ -131,7 +200,8 @@ def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
                           + ", ".join(f"`{n}` ({fmt(t, '.1f')})" for n, t, _ in above)
                           + ": it is not an upper bound there, so shares of its gain are not meaningful.", ""]
     for w, res in sims.items():
-        lines += [f"### {w} (simulated)", ""] + provenance(res["meta"]) + [""] + policy_table(res) + [""]
+        lines += [f"### {w} (simulated)", ""] + provenance(res["meta"]) + containers_lines(res) + [""]
+        lines += policy_table(res) + [""] + tenant_table(res)
         png = out_dir / f"sim-{w}.png"
         if png.is_file():
             lines += [f"![{w}: throughput and violations vs rate scale, simulated]({_rel(png, md)})", ""]
@@ -187,14 +257,15 @@ def emulated_section(em: Mapping[str, Any] | None, pred: Mapping[str, Any] | Non
     lines = ["## Emulated mesh", "",
              "Every real service (gateway, Redis, scheduler, GMG, simulator service, workers) with emulated devices: "
              "no tensor math, iteration time from the device profile, memory accounted. The simulator's prediction "
-             "for the same workload and cluster, on the same containers (the tenants file's home devices, "
-             "`--containers homes`), is shown beside the measurement, as a separate run and figure.", ""]
+             "for the same workload and cluster, on the same containers (planned for the workload by "
+             "`slicesched plan containers`), is shown beside the measurement, as a separate run and figure.", ""]
     if not em:
         return lines + ["_Not run yet._", ""]
-    lines += ["### Measured (emulated mesh)", ""] + provenance(em["meta"]) + [""] + policy_table(em) + [""]
+    lines += ["### Measured (emulated mesh)", ""] + provenance(em["meta"]) + containers_lines(em) + [""]
+    lines += policy_table(em) + [""] + tenant_table(em)
     if pred:
-        lines += ["### Predicted (simulated, same workload, cluster and containers)", ""] + provenance(pred["meta"]) + [""]
-        lines += policy_table(pred) + [""]
+        lines += ["### Predicted (simulated, same workload, cluster and containers)", ""] + provenance(pred["meta"])
+        lines += containers_lines(pred) + [""] + policy_table(pred) + [""]
         c = emulated_checks(em, pred)
         lines += ["### Measured vs predicted", "",
                   "| bound | slice ÷ container, emulated mesh (measured) | slice ÷ container, simulated (predicted) "
@@ -221,7 +292,7 @@ def real_section(real: Mapping[str, Any] | None, tl: Mapping[str, Any] | None, o
     if not real:
         return lines + ["_Not run yet._", ""]
     c = real_checks(real)
-    lines += provenance(real["meta"]) + [""] + policy_table(real) + [""]
+    lines += provenance(real["meta"]) + containers_lines(real) + [""] + policy_table(real) + [""] + tenant_table(real)
     caveat = lease_caveat(tl)
     verdict = "**not met** (no lease ran, see below)" if caveat else yesno(c["meets"])
     lines += [f"Target: slice ≥ 1.3× container in measured tokens/s at ≤ 9% violations: "
@@ -304,15 +375,20 @@ def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
     sims = results["sim"]
     if sims:
         m = next(iter(sims.values()))["meta"]
-        lines += [f"**Simulated** {_setup(m)}: token throughput at ≤ 9% / ≤ 1% SLA violations", "",
-                  "| workload | slice × container ≤9% | ≤1% | share of pooled-bound gain ≤9% "
-                  "| best other baseline ≤9% |",
-                  "|---|---:|---:|---:|---|"]
+        seeds = next(iter(sims.values())).get("seeds") or []
+        lines += [f"**Simulated** {_setup(m)}: token throughput at ≤ 9% / ≤ 1% SLA violations (per request, in "
+                  f"aggregate and for every tenant), every policy on the same planned containers; median over "
+                  f"arrival seeds {', '.join(map(str, seeds))} [range]", "",
+                  "| workload | slice × container ≤9% | ≤1% | slice's worst tenant ≤9% | share of pooled-bound gain "
+                  "≤9% | best other baseline ≤9% |",
+                  "|---|---:|---:|---:|---:|---|"]
         for w, res in sims.items():
             c = sim_checks(res)
             best = c["best_baseline"]
-            lines.append(f"| {w} | {fmt(c['ratio_9'])} | {fmt(c['ratio_1'])} | {pct(c['captured_9'])} | "
-                         f"{best[0] + ' ' + fmt(best[1]) + '×' if best else '–'} |")
+            rng = c["ratio_9_range"]
+            r = f"{fmt(c['ratio_9'])}" + (f" [{fmt(rng[0])}–{fmt(rng[1])}]" if rng and rng[0] != rng[1] else "")
+            lines.append(f"| {w} | {r} | {fmt(c['ratio_1'])} | {pct(c['worst_tenant_9'])} | {pct(c['captured_9'])} "
+                         f"| {best[0] + ' ' + fmt(best[1]) + '×' if best else '–'} |")
         lines.append("")
     em, pred = results["emulated"], results["prediction"]
     if em:

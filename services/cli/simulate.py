@@ -127,9 +127,11 @@ def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict
     """Run one simulation; returns the result dict with ``wall_s`` added. The policy gets the cluster file's
     ``policies.<name>`` overridden by ``params``, as the live scheduler does (:func:`policy_params`), and starts
     from the containers ``containers`` names (:func:`homes_for`)."""
-    from shared.policies import make_policy, policy_params
+    from shared.policies import POLICIES, make_policy, policy_params
     from shared.sim import SimConfig, Simulator
     w = with_containers(w, homes_for(containers, cluster, w))
+    if getattr(POLICIES.get(policy_name), "analytic", False):
+        return ceiling_result(cluster, w, policy_name)
     policy = make_policy(policy_name, policy_params(policy_name, cluster.policy_params.get(policy_name), params))
     cfg = SimConfig(closed_form=not step_by_step)
     rng = random.Random(w.seed if seed is None else seed)
@@ -144,6 +146,21 @@ def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict
     out["wall_s"] = time.perf_counter() - t0
     out["events_per_s"] = out["events"] / out["wall_s"] if out["wall_s"] > 0 else 0.0
     return out
+
+
+def ceiling_result(cluster: ClusterConfig, w: Workload, name: str) -> dict[str, Any]:
+    """``pooled-bound``: the analytic ceiling at this workload's scale (:mod:`shared.sim.ceiling`), in the shape of a
+    simulator result (no tenants: the bound is an aggregate)."""
+    from shared.sim.ceiling import ceiling_point
+    t0 = time.perf_counter()
+    r = ceiling_point(cluster, w)
+    n = r["requests"]
+    total = {"requests": n, "violations": r["violations_lower_bound"], "violation_rate": r["violation_rate"],
+             "ttft_ms": {"p99": None}, "tpot_ms": {"p99": None}, "device_utilization_mean": r["utilisation_lower_bound"],
+             "worst_tenant": None, "worst_tenant_violation_rate": 0.0}
+    return {**r, "policy": {"name": name, "params": {}}, "workload": w.name, "seed": w.seed, "rate_scale": w.rate_scale,
+            "events": 0, "total": total, "tenants": {}, "wall_s": time.perf_counter() - t0, "events_per_s": 0.0,
+            "homes": {t.name: list(t.home_devices) for t in w.tenants.tenants}}
 
 
 def _bar(enabled: bool):
@@ -185,6 +202,11 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=1))
     t = out["total"]
+    if out.get("fidelity") == "analytic bound":
+        print(f"{args.policy}: at most {out['tokens_per_s']:.1f} tokens/s (every offered token), violations at least "
+              f"{out['violation_rate'] * 100:.2f}% ({out['violations_lower_bound']} of {out['requests']}); "
+              f"device time at least {out['utilisation_lower_bound'] * 100:.1f}% of the cluster (analytic bound)")
+        return 0
     print(f"{args.policy}: {out['tokens_per_s']:.1f} tokens/s, violations {out['violation_rate'] * 100:.2f}%, "
           f"TTFT p99 {t['ttft_ms']['p99'] or 0:.1f} ms, TPOT p99 {t['tpot_ms']['p99'] or 0:.2f} ms, "
           f"{out['events']} events in {out['wall_s']:.2f} s (simulated)")

@@ -2,7 +2,7 @@
 
 The live scheduler and the offline simulator use the same objects; see docs/policies.md.
 """
-from shared.policies import container, container_realloc, muxserve, pooled_bound, slice, token_pool  # noqa: F401
+from shared.policies import container, container_realloc, muxserve, pooled, slice, token_pool  # noqa: F401
 from shared.policies.actions import ExtendLease, GrantLease, Placement, Reassign, RevokeLease, Trigger
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, PolicyConfigError
 from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, TenantState

@@ -12,7 +12,7 @@ from shared.registry import UnknownNameError
 from shared.sim import SimConfig, Simulator
 from shared.sim.synthetic import bursty_workload, small_cluster, small_tenants
 
-EXPECTED = {"container", "container-avgwork", "container-realloc", "muxserve", "token-pool", "slice", "pooled-bound"}
+EXPECTED = {"container", "container-avgwork", "container-realloc", "muxserve", "token-pool", "slice", "pooled"}
 
 
 def test_registry_has_every_policy():
@@ -180,13 +180,13 @@ def test_slice_seeks_for_a_tenant_only_when_enough_of_its_container_is_behind(be
 
 
 @pytest.mark.parametrize("stay,all_home", [(0.5, True), (0.0, False)])
-def test_pooled_bound_serves_a_light_load_at_home_as_container_does(stay, all_home):
+def test_pooled_serves_a_light_load_at_home_as_container_does(stay, all_home):
     """A bound must not lose to `container` where containers suffice: under light load every request stays on its
     tenant's own devices (without the rule the bound spreads them and slows decoding where tenants mix)."""
     c = small_cluster(6, 3)
     t = small_tenants(c, ["llama-7b", "llama-7b", "llama-7b", "llama-13b"])
     w = bursty_workload(t, [1.0, 0.5, 0.5, 0.3], 20.0, random.Random(2), burst_factor=1.0, mean_input=300)
-    sim = Simulator(c, t, make_policy("pooled-bound", {"stay_fraction": stay}), SimConfig(), random.Random(0))
+    sim = Simulator(c, t, make_policy("pooled", {"stay_fraction": stay}), SimConfig(), random.Random(0))
     sim.run(w)
     home = [r.engine.device.id for r in sim.requests if sim.snapshot.devices[r.engine.device.id].home_tenant == r.tenant]
     assert (len(home) == len(sim.requests)) is all_home
@@ -198,12 +198,12 @@ def test_policy_params_merge_and_containers(small):
         {"segments": False, "lease_s": 3.0}
     c, t, w = small
     homes = {}
-    for name in ("container", "container-avgwork", "slice", "token-pool", "pooled-bound", "container-realloc"):
+    for name in ("container", "container-avgwork", "slice", "token-pool", "pooled", "container-realloc"):
         sim = Simulator(c, t, make_policy(name), SimConfig(), random.Random(0))
         sim._place(w)
         homes[name] = {d.id: sorted(e.tenant for e in d.engines) for d in sim.devices.values()}
     # every policy but container-avgwork starts from the tenants' home devices (one each, two devices idle)
-    for name in ("container", "slice", "token-pool", "pooled-bound", "container-realloc"):
+    for name in ("container", "slice", "token-pool", "pooled", "container-realloc"):
         assert homes[name] == {"d0": ["t0"], "d1": ["t1"], "d2": ["t2"], "d3": ["t3"], "d4": [], "d5": []}, name
     assert all(homes["container-avgwork"].values())  # sized by average work over every device
 

@@ -94,19 +94,40 @@ def test_unknown_policy(files, capsys):
 
 
 def test_bench_compare_small(files, capsys):
+    """The JSON holds the planned partition, the tuning and reporting seeds and, per policy and per seed, the
+    boundary figures with the worst tenant; the analytic ceiling is at least every policy's."""
     out = files / "cmp.json"
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
-               "--policies", "container,pooled-bound", "--fidelity", "sim", "--duration-s", "30",
-               "--tolerance", "0.25", "--start-scale", "8", "--json", str(out)])
+               "--policies", "container,container-avgwork,pooled-bound", "--fidelity", "sim", "--duration-s", "30",
+               "--tolerance", "0.25", "--start-scale", "8", "--seeds", "1,2", "--tuning-seeds", "7",
+               "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["fidelity"] == "sim" and r["workload"].endswith("w.yaml")
+    assert r["seeds"] == [1, 2] and r["tuning_seeds"] == [7]
+    c = r["containers"]
+    assert c["mode"] == "plan" and sorted(d for ds in c["homes"].values() for d in ds) == ["g0", "g1", "g2", "g3"]
+    fields = {f"{f}_{k}" for f in ("max_scale", "tokens_per_s", "worst_tenant_violation_rate", "worst_tenant",
+                                   "tenants") for k in ("9", "1")}
+    for seed in ("1", "2"):
+        for name in ("container", "container-avgwork", "pooled-bound"):
+            p = r["per_seed"][seed]["policies"][name]
+            assert set(p) >= fields, name
+            assert p["max_scale_9"] >= p["max_scale_1"] > 0
+            assert (p["worst_tenant_violation_rate_9"] or 0) <= 0.09
+        for name in ("container", "container-avgwork"):
+            assert r["per_seed"][seed]["policies"]["pooled-bound"]["tokens_per_s_9"] >= \
+                r["per_seed"][seed]["policies"][name]["tokens_per_s_9"]
     for name in ("container", "pooled-bound"):
         p = r["policies"][name]
-        assert set(p) >= {"max_scale_9", "tokens_per_s_9", "max_scale_1", "tokens_per_s_1", "violation_rate"}
-        assert p["max_scale_9"] >= p["max_scale_1"] > 0
+        assert set(p) >= {"max_scale_9", "tokens_per_s_9", "max_scale_1", "tokens_per_s_1", "violation_rate",
+                          "worst_tenant_violation_rate_9", "max_scale_9_range"}
         assert p["violation_rate"] <= 0.09
     assert r["ratio_to_container"]["container"]["9"] == 1.0
+    assert "seeds 1,2; containers: plan (planned on seeds 7)" in capsys.readouterr().out
+    rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--policies", "container", "--seeds", "7", "--tuning-seeds", "7"])
+    assert rc == 2 and "tuning seeds must differ" in capsys.readouterr().err
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
                "--policies", "container", "--fidelity", "warp"])
     assert rc == 2
@@ -250,3 +271,30 @@ def test_an_interrupt_stops_every_search_and_its_subprocesses(monkeypatch):
     with pytest.raises(RuntimeError, match="interrupted"):
         bench_compare.CHILDREN.run(["true"], Path("."))
     bench_compare.CHILDREN.stopping.clear()
+
+
+def test_plan_containers_writes_a_file_every_command_takes(files, capsys):
+    out = files / "containers.yaml"
+    rc = main(["plan", "containers", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--seeds", "5", "--duration-s", "30", "--tolerance", "0.2", "-o", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "sustains rate scale" in text and "simulated)" in text
+    data = yaml.safe_load(out.read_text())
+    assert sorted(d for ds in data["containers"].values() for d in ds) == ["g0", "g1", "g2", "g3"]
+    assert data["plan"]["tuning_seeds"] == [5] and data["plan"]["max_scale"] > 0
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "slice", "--duration-s", "20", "--containers", str(out), "--json", str(files / "s.json")])
+    assert rc == 0
+    assert json.loads((files / "s.json").read_text())["homes"] == data["containers"]
+    rc = main(["plan", "containers", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--seeds", "5", "--duration-s", "30", "--at-scale", "2"])
+    assert rc == 0 and "devices in all" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "containers", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+              "--seeds", "5,5"])
+    assert e.value.code == 2 and "seeds repeat" in capsys.readouterr().err
+    (files / "bad.yaml").write_text("containers: {t0: 9, t1: 1, t2: 1}\n")
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "container", "--containers", str(files / "bad.yaml")])
+    assert rc == 2 and "bad.yaml: containers: the counts ask for 11 devices" in _one_line_error(capsys)

@@ -24,7 +24,7 @@ def _run(c, t, w, policy="container", **cfg):
     return sim, sim.run(w)
 
 
-@pytest.mark.parametrize("policy", ["container", "pooled-bound"])
+@pytest.mark.parametrize("policy", ["container", "pooled"])
 def test_closed_form_equals_step_by_step(policy):
     c, t, w = _setup(seed=3, duration=60.0, rates=(6.0, 2.0, 1.0))
     fast, rf = _run(c, t, w, policy)
@@ -90,7 +90,7 @@ def test_every_request_accounted_and_tokens_match():
         assert q.arrival <= q.first_token <= q.finish
 
 
-@pytest.mark.parametrize("policy", ["container", "pooled-bound"])
+@pytest.mark.parametrize("policy", ["container", "pooled"])
 def test_memory_timeline_never_exceeds_capacity_minus_headroom(policy):
     c = small_cluster(4, 2, memory_gb=40)  # 7B weights leave ~24 GB of KV, 13B ~12 GB: KV fills up
     t = small_tenants(c, ["llama-7b", "llama-7b", "llama-13b"])

@@ -49,6 +49,7 @@ def test_scale_plot_from_a_runs_json(tmp_path):
     def point(d, t, p99, wall):
         return {"devices": d, "tenants": t,
                 "decisions": {"result": {"p50_ms": p99 / 3, "p99_ms": p99, "admission_p99_ms": 2.0,
+                                         "committed": 10, "committed_p99_ms": p99,
                                          "committed_phases_p99_ms": {"snapshot": 0.5, "decide": 1.0}}},
                 "whatif": {"result": {"rpc_ms": {"p99": 3.0}, "compute_ms": {"p99": 1.0}}},
                 "simulate": {"result": {"requests": d * 900, "wall_s": wall, "cpu_s": wall * 0.9,

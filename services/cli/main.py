@@ -38,6 +38,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "costmodel": ("bench.bench_costmodel", "GPU cost model vs measured H100/A100 timings (Vidur); --fit-out"),
     "models": ("bench.bench_models", "tokens/s of the engine vs transformers on the same model, batch 1 and 8"),
     "steering": ("bench.bench_steering", "a policy on a mesh with and without the simulator's steering, paired"),
+    "scale": ("bench.bench_scale", "decision/what-if latency and simulator speed from 32 to 1,024 devices"),
 }
 
 

@@ -25,6 +25,12 @@ class Pending:
     enqueued_ts: float
 
 
+_UNSET = object()
+# the DeviceView fields the scheduler's snapshot is built from (services/scheduler/policy_bridge.py)
+SNAPSHOT_FIELDS = frozenset({"up", "assigned", "guest_lanes", "guest_share", "worker_queued", "prefill_tokens",
+                             "prefill_oldest_ts", "placed_since", "lane_placed_since"})
+
+
 @dataclass
 class DeviceView:
     """What the scheduler knows of one device (refreshed from the GMG)."""
@@ -47,6 +53,21 @@ class DeviceView:
     placed_since: list = field(default_factory=list)
     # other tenants' requests placed on this device's guest lanes since its last heartbeat: (ts, tenant, tokens)
     lane_placed_since: list = field(default_factory=list)
+    # bumped whenever a field the scheduler's snapshot reads changes value (see SNAPSHOT_FIELDS); appending to
+    # one of the lists in place must bump it too (touch())
+    version: int = 0
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in SNAPSHOT_FIELDS and getattr(self, name, _UNSET) != value:
+            self.touch()
+        object.__setattr__(self, name, value)
+
+    def touch(self) -> None:
+        """A field the snapshot reads changed (a list in place, say): the snapshot builder must look again."""
+        object.__setattr__(self, "version", getattr(self, "version", 0) + 1)
+        sink = self.__dict__.get("_sink")  # set by the snapshot builder: the devices to look at next build
+        if sink is not None:
+            sink.add(self.id)
 
     def on_heartbeat(self, ts: float, queued: int, prefill_tokens: int, oldest_ts: float) -> None:
         self.worker_queued, self.prefill_tokens, self.prefill_oldest_ts = queued, prefill_tokens, oldest_ts
@@ -77,12 +98,68 @@ class DeviceView:
         return self.limit - self.reserved
 
 
+class AssignedTable(dict):
+    """``request id -> (device, request, worker id)`` of the requests placed and not finished, with running
+    aggregates (per device: how many and their context estimate; per tenant: how many) kept on every change,
+    so that a snapshot or a device refresh does not scan every placement."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_device: dict[str, int] = {}
+        self.ctx: dict[str, int] = {}  # device -> sum of prompt + max_tokens // 2 (decode context estimate)
+        self.per_tenant: dict[str, int] = {}
+        self.changed: set[str] = set()  # devices whose aggregates changed (the snapshot builder clears it)
+
+    def _add(self, a: tuple, k: int) -> None:
+        dev, req = a[0], a[1]
+        self.changed.add(dev)
+        self.per_device[dev] = self.per_device.get(dev, 0) + k
+        self.ctx[dev] = self.ctx.get(dev, 0) + k * (len(req.prompt_ids) + req.max_tokens // 2)
+        self.per_tenant[req.tenant] = self.per_tenant.get(req.tenant, 0) + k
+
+    def __setitem__(self, rid: str, a: tuple) -> None:
+        old = self.get(rid)
+        if old is not None:
+            self._add(old, -1)
+        super().__setitem__(rid, a)
+        self._add(a, 1)
+
+    def __delitem__(self, rid: str) -> None:
+        self._add(self[rid], -1)
+        super().__delitem__(rid)
+
+    def pop(self, rid: str, *default):
+        if rid in self:
+            a = super().pop(rid)
+            self._add(a, -1)
+            return a
+        return super().pop(rid, *default)
+
+    def clear(self) -> None:
+        self.changed.update(self.per_device)
+        super().clear()
+        self.per_device.clear()
+        self.ctx.clear()
+        self.per_tenant.clear()
+
+    def popitem(self):
+        raise NotImplementedError("AssignedTable: pop by request id")
+
+    def setdefault(self, rid, default=None):
+        raise NotImplementedError("AssignedTable: assign with []=")
+
+    def update(self, *args, **kwargs) -> None:
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+
 @dataclass
 class TenantQueues:
     """Bounded FIFO per tenant; removal by request id for cancels."""
 
     bounds: dict[str, int]
     queues: dict[str, OrderedDict[str, Pending]] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)  # per tenant, bumped on every push and pop
 
     def __post_init__(self) -> None:
         for t in self.bounds:
@@ -95,6 +172,7 @@ class TenantQueues:
         if len(q) >= self.bounds[p.req.tenant]:
             return False
         q[p.req.request_id] = p
+        self.versions[p.req.tenant] = self.versions.get(p.req.tenant, 0) + 1
         return True
 
     def head(self, tenant: str) -> Pending | None:
@@ -102,7 +180,10 @@ class TenantQueues:
         return next(iter(q.values()), None)
 
     def pop(self, tenant: str, request_id: str) -> Pending | None:
-        return self.queues[tenant].pop(request_id, None)
+        p = self.queues[tenant].pop(request_id, None)
+        if p is not None:
+            self.versions[tenant] = self.versions.get(tenant, 0) + 1
+        return p
 
     def find(self, request_id: str) -> Pending | None:
         for q in self.queues.values():

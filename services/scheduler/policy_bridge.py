@@ -16,6 +16,7 @@ from shared.messages import LeaseGranted, LeaseRevoked, worker_stream
 from shared.model.graph import ModelGraph
 from shared.policies import (ClusterSnapshot, DeviceState, ExtendLease, GrantLease, LeaseState, RevokeLease,
                              TenantState)
+from shared.policies.snapshot import LeaseTable
 from shared.policies.rates import ArrivalStats
 from shared.streams import StreamProducer
 from services.scheduler.core import DeviceView, SchedulerCore
@@ -23,64 +24,188 @@ from services.scheduler.core import DeviceView, SchedulerCore
 log = structlog.get_logger()
 
 
+_NO_ROW: dict[str, str] = {}  # a device the GMG has no row for (never modified)
+
+
 class SnapshotBuilder:
-    """Turns the scheduler's view (GMG device rows, its queues and placements, active leases) into a snapshot."""
+    """Turns the scheduler's view (GMG device rows, its queues and placements, active leases) into a snapshot.
+
+    Incremental: it keeps one :class:`ClusterSnapshot` and updates it in place, so a decision costs the devices
+    whose inputs changed, not the cluster. Per build it makes one pass over the placements and the leases, reads
+    each home tenant's queue once (only when it changed), and recomputes a device's fields only from what it can
+    have changed through: its GMG row (replaced on every device refresh), its view (heartbeats and placements) and
+    its tenant's queue. A device whose fields come out equal keeps its :class:`DeviceState`; one that changed is
+    updated in place and reported to the snapshot (``touch``), which is therefore ``tracked`` (the policies may
+    keep indexes over it). The snapshot returned is the same object every time: use it before the next build."""
 
     def __init__(self, cluster: ClusterConfig, tenants: TenantsConfig, core: SchedulerCore) -> None:
         self.cluster, self.tenants, self.core = cluster, tenants, core
         start = time.time()
         self.rates = {t.name: ArrivalStats(start=start) for t in tenants.tenants}
         self.home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
+        self.n_home = {t.name: max(1, len(t.home_devices)) for t in tenants.tenants}
         self._parsed: dict[str, tuple[str, dict]] = {}  # device -> (raw "resident" field, parsed)
+        self._rows: dict[str, tuple[dict, tuple]] = {}  # device -> (GMG row, the fields taken from it)
+        self._queues: dict[str, tuple[int, int, float, int]] = {}  # tenant -> (version, depth, oldest, tokens)
+        self._fields: dict[str, tuple] = {}  # device -> the fields its DeviceState holds
+        self._seen: dict[str, tuple] = {}  # device -> (row, view, view version, queue version, context, share)
+        self._snap: ClusterSnapshot | None = None
+        # what the last build saw, to find the devices whose inputs may have changed since (see _changed)
+        self._dev = {d.id: d for d in cluster.devices}
+        self._homes: dict[str, list[str]] = {}
+        for did, t in self.home_of.items():
+            self._homes.setdefault(t, []).append(did)
+        self._dirty_views: set[str] = set()  # the views report their changes here (DeviceView.touch)
+        self._views: object = None
+        self._n_views = -1
+        self._rows_obj: object = None
+        self._rows_seen: dict[str, dict] = {}
+        self._qver: dict[str, int] = {}
+        self._shares: dict[str, float] = {}
 
     def _resident(self, device: str, raw: str) -> dict[tuple[str, str], int]:
-        """The device row's ``resident`` field (``tenant|segment,…``) as a dict, parsed once per change."""
+        """The device row's ``resident`` field (``tenant|segment,…``) as a dict, parsed once per change (the same
+        dict object until it changes: read it, do not modify it)."""
         hit = self._parsed.get(device)
         if hit is not None and hit[0] == raw:
-            return dict(hit[1])
+            return hit[1]
         parsed = {tuple(f.split("|", 1)): 1 for f in raw.split(",") if "|" in f}
         self._parsed[device] = (raw, parsed)
-        return dict(parsed)
+        return parsed
+
+    def _row_fields(self, d, row: dict) -> tuple:
+        """(running or None without a row, headroom, used, evictable, busy by ratio, resident) of a GMG row."""
+        headroom = d.memory_bytes - int(row.get("limit") or d.memory_bytes * (1 - self.cluster.headroom_fraction))
+        return (int(row.get("running") or 0) if row else None, headroom, int(row.get("reserved") or 0),
+                int(row.get("evictable") or 0), float(row.get("busy_ratio") or 0) > 0.5,
+                self._resident(d.id, row.get("resident") or ""))
+
+    def _queue(self, tenant: str) -> tuple[int, int, float, int]:
+        """(version, depth, oldest enqueue time, prompt tokens) of a tenant's queue, re-read when it changed."""
+        queues = self.core.queues
+        ver = queues.versions.get(tenant, 0)
+        hit = self._queues.get(tenant)
+        if hit is not None and hit[0] == ver:
+            return hit
+        q = queues.queues.get(tenant, {})
+        hit = self._queues[tenant] = (ver, len(q), min((p.enqueued_ts for p in q.values()), default=math.inf),
+                                      sum(len(p.req.prompt_ids) for p in q.values()))
+        return hit
 
     def build(self, now: float, views: dict[str, DeviceView], rows: dict[str, dict[str, str]],
               assigned: dict[str, tuple], leases: dict[str, LeaseState]) -> ClusterSnapshot:
-        devices: dict[str, DeviceState] = {}
-        per_dev_ctx: dict[str, int] = {}
-        for rid, (dev, req, _w) in assigned.items():
-            per_dev_ctx[dev] = per_dev_ctx.get(dev, 0) + len(req.prompt_ids) + req.max_tokens // 2
-        for d in self.cluster.devices:
-            row, v = rows.get(d.id, {}), views.get(d.id)
-            home = self.home_of.get(d.id)
-            q = self.core.queues.queues.get(home, {}) if home else {}
-            n_home = max(1, len(self.tenants.get(home).home_devices)) if home else 1
-            w_queued, w_prefill, w_oldest = v.backlog() if v else (0, 0, math.inf)
-            queued = len(q) // n_home + w_queued
-            oldest = min(min((p.enqueued_ts for p in q.values()), default=math.inf), w_oldest)
-            resident = self._resident(d.id, row.get("resident") or "")
-            share = sum(lz.share for lz in leases.values() if lz.guest_device == d.id)
-            running = int(row.get("running") or 0) if row else (v.assigned if v else 0)
-            devices[d.id] = DeviceState(
-                id=d.id, kind=d.kind, host=d.host, capacity_bytes=d.memory_bytes,
-                headroom_bytes=d.memory_bytes - int(row.get("limit") or d.memory_bytes * (1 - self.cluster.headroom_fraction)),
-                home_tenant=home, tenants=[home] if home else [], used_bytes=int(row.get("reserved") or 0),
-                evictable_bytes=int(row.get("evictable") or 0),
-                queued=queued, running=max(running, v.assigned if v else 0),
-                queued_prefill_tokens=sum(len(p.req.prompt_ids) for p in q.values()) // n_home + w_prefill,
-                decode_kv_tokens=per_dev_ctx.get(d.id, 0), oldest_pending_s=oldest,
-                busy=float(row.get("busy_ratio") or 0) > 0.5 or bool(v and v.assigned), guest_share=share,
-                guest_yield=v.guest_share if v else 0.0,
-                guest_engines=v.lanes() if v else {},
-                resident=resident, draining=not (v.up if v else False))
-        tenants = {}
+        per_dev_ctx: dict[str, int] | None = getattr(assigned, "ctx", None)  # an AssignedTable keeps them
+        running_of: dict[str, int] | None = getattr(assigned, "per_tenant", None)
+        if per_dev_ctx is None or running_of is None:
+            per_dev_ctx, running_of = {}, {}
+            for dev, req, _w in assigned.values():
+                per_dev_ctx[dev] = per_dev_ctx.get(dev, 0) + len(req.prompt_ids) + req.max_tokens // 2
+                running_of[req.tenant] = running_of.get(req.tenant, 0) + 1
+        shares: dict[str, float] = {}
+        for lz in leases.values():
+            shares[lz.guest_device] = shares.get(lz.guest_device, 0) + lz.share
+        snap = self._snap
+        if snap is None:
+            snap = self._snap = self._first(now)
+        changed = self._changed(views, rows, assigned, shares)
+        devices, fields, seen, versions = snap.devices, self._fields, self._seen, self.core.queues.versions
+        for d in (self.cluster.devices if changed is None else [self._dev[did] for did in changed]):
+            did = d.id
+            row, v = rows.get(did, _NO_ROW), views.get(did)
+            home = self.home_of.get(did)
+            # everything this device's fields are computed from; unchanged since the last build: nothing to do
+            inputs = (row, v, v.version if v is not None else 0, versions.get(home, 0) if home else 0,
+                      per_dev_ctx.get(did, 0), shares.get(did, 0))
+            last = seen.get(did)
+            if last is not None and last[0] is row and last[1] is v and last[2:] == inputs[2:]:
+                continue
+            seen[did] = inputs
+            hit = self._rows.get(did)
+            if hit is None or hit[0] is not row:
+                hit = self._rows[did] = (row, self._row_fields(d, row))
+            row_running, headroom, used, evictable, busy_ratio, resident = hit[1]
+            if home:
+                _, qn, q_oldest, q_tokens = self._queue(home)
+                n_home = self.n_home[home]
+            else:
+                qn, q_oldest, q_tokens, n_home = 0, math.inf, 0, 1
+            if v is not None:
+                w_queued, w_prefill, w_oldest = v.backlog()
+                v_assigned = v.assigned
+                running = row_running if row_running is not None else v_assigned
+                f = (headroom, used, evictable, qn // n_home + w_queued, max(running, v_assigned),
+                     q_tokens // n_home + w_prefill, per_dev_ctx.get(did, 0), min(q_oldest, w_oldest),
+                     busy_ratio or bool(v_assigned), shares.get(did, 0), v.guest_share, v.lanes(), resident,
+                     not v.up)
+            else:
+                running = row_running if row_running is not None else 0
+                f = (headroom, used, evictable, qn // n_home, max(running, 0), q_tokens // n_home,
+                     per_dev_ctx.get(did, 0), min(q_oldest, math.inf), busy_ratio, shares.get(did, 0), 0.0, {},
+                     resident, True)
+            if fields.get(did) != f:
+                fields[did] = f
+                st = devices[did]
+                (st.headroom_bytes, st.used_bytes, st.evictable_bytes, st.queued, st.running,
+                 st.queued_prefill_tokens, st.decode_kv_tokens, st.oldest_pending_s, st.busy, st.guest_share,
+                 st.guest_yield, st.guest_engines, st.resident, st.draining) = f
+                snap.touch(st)
+        queues = self.core.queues
         for t in self.tenants.tenants:
-            r = self.rates[t.name]
-            tenants[t.name] = TenantState(t.name, t.model.config, t.sla, list(t.home_devices),
-                                          queued=self.core.queues.depth(t.name),
-                                          running=sum(1 for a in assigned.values() if a[1].tenant == t.name),
-                                          rate_rps=r.rate(now), mean_input=r.mean_input, mean_output=r.mean_output)
-        return ClusterSnapshot(now=now, devices=devices, tenants=tenants, leases=dict(leases),
-                               intra_host_link=self.cluster.intra_host_link,
-                               inter_host_link=self.cluster.inter_host_link)
+            r, ts = self.rates[t.name], snap.tenants[t.name]
+            ts.queued, ts.running = queues.depth(t.name), running_of.get(t.name, 0)
+            ts.rate_rps, ts.mean_input, ts.mean_output = r.rate(now), r.mean_input, r.mean_output
+        snap.now = now
+        snap.leases = LeaseTable(leases)
+        return snap
+
+    def _changed(self, views: dict[str, DeviceView], rows: dict[str, dict[str, str]], assigned: dict,
+                 shares: dict[str, float]) -> set[str] | None:
+        """The devices whose inputs may have changed since the last build, or None for every device (the first
+        build, a plain placements dict, or a views mapping that is not the one seen last or changed size)."""
+        versions = self.core.queues.versions
+        changed_assigned = getattr(assigned, "changed", None)
+        if changed_assigned is None or views is not self._views or len(views) != self._n_views:
+            self._views, self._n_views = views, len(views)
+            for v in views.values():  # one builder per scheduler: the first one to see a view hears of it
+                if v.__dict__.get("_sink") is None:
+                    object.__setattr__(v, "_sink", self._dirty_views)
+            self._dirty_views.clear()
+            if changed_assigned is not None:
+                changed_assigned.clear()
+            self._rows_obj, self._rows_seen = rows, dict(rows)
+            self._qver, self._shares = dict(versions), shares
+            return None
+        out = set(self._dirty_views)
+        self._dirty_views.clear()
+        out |= changed_assigned
+        changed_assigned.clear()
+        if rows is not self._rows_obj:  # a device refresh: rows whose content changed are new objects
+            seen = self._rows_seen
+            out.update(did for did, row in rows.items() if seen.get(did) is not row)
+            out.update(seen.keys() - rows.keys())
+            self._rows_obj, self._rows_seen = rows, dict(rows)
+        if versions != self._qver:
+            for t, ver in versions.items():
+                if self._qver.get(t) != ver:
+                    out.update(self._homes.get(t, ()))
+            self._qver = dict(versions)
+        old = self._shares
+        if shares != old:
+            out.update(g for g in shares.keys() | old.keys() if shares.get(g, 0) != old.get(g, 0))
+        self._shares = shares
+        return {did for did in out if did in self._dev}
+
+    def _first(self, now: float) -> ClusterSnapshot:
+        """The snapshot's skeleton: every device and tenant with nothing known yet (build fills them in)."""
+        devices = {}
+        for d in self.cluster.devices:
+            home = self.home_of.get(d.id)
+            devices[d.id] = DeviceState(id=d.id, kind=d.kind, host=d.host, capacity_bytes=d.memory_bytes,
+                                        headroom_bytes=0, home_tenant=home, tenants=[home] if home else [])
+        tenants = {t.name: TenantState(t.name, t.model.config, t.sla, list(t.home_devices))
+                   for t in self.tenants.tenants}
+        return ClusterSnapshot(now=now, devices=devices, tenants=tenants, intra_host_link=self.cluster.intra_host_link,
+                               inter_host_link=self.cluster.inter_host_link, tracked=True)
 
 
 class LeaseManager:
@@ -155,27 +280,39 @@ class LeaseManager:
         device's home tenant's or ``keep``'s — until ``need`` bytes are free; returns the bytes evicted (0 when
         nothing could be). The simulator stages the same way (``DeviceMemory.make_room``): cached weights are
         reclaimable memory, not a reason to refuse a lease."""
-        row = await self.store.device(device)
+        exclude = tuple(t for t in (self.home_of.get(device), keep) if t)
+        # the device's memory and its evictable entries in one round trip (the entries are not needed when it fits)
+        row, entries = await asyncio.gather(self.store.device(device), self.leases_store.unpinned(device, exclude))
         free = int(float(row.get("limit") or 0)) - int(float(row.get("reserved") or 0))
         if free >= need:
             return 0
-        exclude = tuple(t for t in (self.home_of.get(device), keep) if t)
-        cands = sorted(await self.leases_store.unpinned(device, exclude),
-                       key=lambda e: self._last_used.get((device, e[0], e[1]), 0.0))
+        cands = sorted(entries, key=lambda e: self._last_used.get((device, e[0], e[1]), 0.0))
         if free + sum(n for _, _, n in cands) < need:
             return 0  # evicting would not make it fit: keep the cache
+        # the least recently used entries that make it fit are evicted together (one round trip); if one of them
+        # was pinned or evicted meanwhile, the next ones in order follow
+        first, total = 0, free
+        while first < len(cands) and total < need:
+            total += cands[first][2]
+            first += 1
+        done = await asyncio.gather(*(self.leases_store.evict(device, t, [seg]) for t, seg, _ in cands[:first]))
         freed = 0
-        for tenant, seg, n in cands:
+        for (tenant, seg, _), res in zip(cands[:first], done):
+            freed += self._evicted(device, tenant, seg, res)
+        for tenant, seg, n in cands[first:]:
             if free + freed >= need:
                 break
-            res = await self.leases_store.evict(device, tenant, [seg])
-            if isinstance(res, Refused):  # pinned or evicted meanwhile
-                continue
-            freed += res
-            self.evicted += 1
-            self._resident.discard((device, tenant, seg))
-            log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=res, by="scheduler")
+            freed += self._evicted(device, tenant, seg, await self.leases_store.evict(device, tenant, [seg]))
         return freed
+
+    def _evicted(self, device: str, tenant: str, seg: str, res: int | Refused) -> int:
+        """Account one eviction's outcome; the bytes it freed (0 when refused: pinned or evicted meanwhile)."""
+        if isinstance(res, Refused):
+            return 0
+        self.evicted += 1
+        self._resident.discard((device, tenant, seg))
+        log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=res, by="scheduler")
+        return res
 
     async def revoke(self, lease_id: str, reason: str, state: str = "revoked") -> bool:
         st = self.active.pop(lease_id, None)

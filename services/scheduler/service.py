@@ -20,7 +20,7 @@ from shared.requests_state import (TERMINAL_STATES, TERMINAL_TTL_S, TerminalFenc
                                    tenant_stats_key)
 from shared.service import ServiceShell, run_tasks
 from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
-from services.scheduler.core import DeviceView, Pending, SchedulerCore
+from services.scheduler.core import AssignedTable, DeviceView, Pending, SchedulerCore
 from services.scheduler.policy_bridge import LeaseManager, SnapshotBuilder
 from services.scheduler.steering import SteeringFollower
 from shared.gmg.keys import GMGKeys
@@ -51,7 +51,7 @@ class SchedulerService:
         self._hb_seen: dict[str, float] = {}  # device -> newest WorkerHeartbeat.ts read from the events stream
         self._placing: str | None = None  # request being placed (its awaits let a cancel arrive mid-way)
         self._late_cancels: dict[str, CancelRequest] = {}
-        self.assigned: dict[str, tuple[str, InferenceRequest, str]] = {}  # request_id -> (device, req, worker_id)
+        self.assigned = AssignedTable()  # request_id -> (device, req, worker_id)
         self.wake = asyncio.Event()
         self._blocking: list = []
         reg = self.shell.registry
@@ -289,8 +289,10 @@ class SchedulerService:
             if self.snapshots.home_of.get(dev) == p.req.tenant:
                 if len(view.placed_since) < 4096:
                     view.placed_since.append((time.time(), len(p.req.prompt_ids), p.req.arrival_ts))
+                    view.touch()
             elif len(view.lane_placed_since) < 4096:
                 view.lane_placed_since.append((time.time(), p.req.tenant, len(p.req.prompt_ids)))
+                view.touch()
             self.core.queues.pop(p.req.tenant, rid)
             await self.redis.xack(requests_stream(self.p), GROUP_SCHEDULER, p.entry_id)
             self.m_decision.observe(time.perf_counter() - t0)
@@ -398,14 +400,18 @@ class SchedulerService:
             home = self.snapshots.home_of.get(did)
             # weights staged here that no active lease pins: a cache the lease manager evicts when it needs room
             rows[did]["evictable"] = sum(n for _, _, n in unpinned_entries(res, pins, (home,) if home else ()))
+            old = self.rows.get(did)
+            if old == rows[did]:
+                rows[did] = old  # unchanged: the same object tells the snapshot builder it has nothing to redo
         self.rows = rows
         now = time.time()
+        per_device = self.assigned.per_device
         for did, h in rows.items():
             # heartbeats seen directly on the events stream count too: a GMG restart must not fail healthy work
             hb = max(float(h.get("heartbeat_ts") or 0), self._hb_seen.get(did, 0.0))
             up = h.get("state") == "ready" and now - hb < HEARTBEAT_STALE_S
             v = self.devices.get(did)
-            assigned = sum(1 for a in self.assigned.values() if a[0] == did)
+            assigned = per_device.get(did, 0)
             if v is None:
                 v = self.devices[did] = DeviceView(did, up, int(h.get("limit") or 0), int(h.get("reserved") or 0))
             v.up, v.limit, v.reserved = up, int(h.get("limit") or 0), int(h.get("reserved") or 0)
@@ -482,8 +488,9 @@ class SchedulerService:
 
     async def _publish_tenant_stats(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
+        per_tenant = self.assigned.per_tenant
         for t in self.tenants.tenants:
-            running = sum(1 for a in self.assigned.values() if a[1].tenant == t.name)
+            running = per_tenant.get(t.name, 0)
             up = sum(1 for d in t.home_devices if d in self.devices and self.devices[d].up)
             pipe.hset(tenant_stats_key(self.p, t.name), mapping={
                 "queued": self.core.queues.depth(t.name), "running": running, "ts": time.time(),

@@ -19,6 +19,7 @@ from shared.costmodel import cost_for
 from shared.policies.actions import Action, ExtendLease, GrantLease, Placement, RevokeLease, Trigger
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, least_loaded
 from shared.policies.container import container_placement
+from shared.policies.guest_index import Indexes, rank_all
 from shared.policies.snapshot import ClusterSnapshot, DeviceState
 
 
@@ -59,6 +60,7 @@ class SlicePolicy(Policy):
 
     config_cls = SliceConfig
     wants_arrival = True
+    check_index = False  # tests set it: every indexed candidate set is checked against a full scan
 
     def __init__(self, config: SliceConfig | None = None) -> None:
         super().__init__(config)
@@ -69,6 +71,7 @@ class SlicePolicy(Policy):
         self._prefill_cost: dict[tuple[int, str], float] = {}
         self._last_seek: dict[str, float] = {}
         self._extra: list[GrantLease] = []
+        self._iter_of: dict[str, tuple] = {}  # device -> (what its own iteration was computed from..., cost, it, p)
 
     @property
     def cfg(self) -> SliceConfig:
@@ -85,14 +88,20 @@ class SlicePolicy(Policy):
         devs = self.devices_of.get(tenant)
         if devs is None:
             devs = self.devices_of[tenant] = [d.id for d in snapshot.tenant_devices(tenant)]
-        best = least_loaded(devs, snapshot, self.config.max_queue_per_device)
+        known, best = (self._indexes(snapshot).load.least_loaded(tenant, devs, self.config.max_queue_per_device)
+                       if snapshot.tracked else (False, None))
+        if not known:
+            best = least_loaded(devs, snapshot, self.config.max_queue_per_device)
+        elif self.check_index:
+            want = least_loaded(devs, snapshot, self.config.max_queue_per_device)
+            assert best == want, f"load index out of date: {best} != {want}"
         if best is None or not snapshot.leases:
             return best
         model = snapshot.tenants[tenant].model
         home = snapshot.devices[best]
         best_wait = (home.queued_prefill_tokens + input_tokens) * self._per_token(model, home.kind)
-        for lease in snapshot.leases.values():
-            if lease.tenant != tenant or lease.mode != "sequences" or lease.state != "active":
+        for lease in snapshot.leases_of(tenant):
+            if lease.mode != "sequences" or lease.state != "active":
                 continue
             g = snapshot.devices[lease.guest_device]
             ge = g.guest_engines.get(tenant)
@@ -189,8 +198,8 @@ class SlicePolicy(Policy):
         it has prompts to prefill, and only its TPOT slack otherwise), so guests can only slow it within its SLA.
         Memory does: staged weights pinned by leases and guest sequences' KV cannot be evicted, so when the KV
         its own queued requests need no longer fits, the newest leases go."""
-        hosted = sorted((lease for lease in snapshot.leases.values() if lease.guest_device == d.id
-                         and lease.state != "draining"), key=lambda x: -x.start_s)
+        hosted = sorted((lease for lease in snapshot.leases_on(d.id) if lease.state != "draining"),
+                        key=lambda x: -x.start_s)
         if not hosted or d.home_tenant is None:
             return []
         t = snapshot.tenants[d.home_tenant]
@@ -207,28 +216,43 @@ class SlicePolicy(Policy):
     def _urgency(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> float:
         """Predicted worst TTFT (or TPOT) of the tenant on ``d`` as a fraction of its target (the larger)."""
         t = snapshot.tenants[d.home_tenant]  # type: ignore[index]
-        cost = whatif.cost(t, d.kind)
-        it, b, p, _ = whatif.device_iteration(cost, d)
+        # the device's own iteration, remembered per device until its batch, queue, tenant or what-if changes
+        c = self._iter_of.get(d.id)
+        if c is None or c[0] is not t or c[1] is not whatif or c[2] is not t.model or c[3] != d.running or \
+                c[4] != d.queued_prefill_tokens or c[5] != d.decode_kv_tokens or c[6] != d.kind:
+            cost = whatif.cost(t, d.kind)
+            it, _, p, _ = whatif.device_iteration(cost, d)
+            c = self._iter_of[d.id] = (t, whatif, t.model, d.running, d.queued_prefill_tokens, d.decode_kv_tokens,
+                                       d.kind, cost, it, p)
+        cost, it, p = c[7], c[8], c[9]
         ttft, tpot = whatif.tenant_latency(cost, d, t, snapshot.now, it, p)
         return max(ttft / (t.sla.ttft_ms / 1e3), tpot / (t.sla.tpot_ms / 1e3) * self.cfg.behind_fraction / 0.9)
 
     def _behind(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> bool:
         """TTFT predicted past behind_fraction of its target, or TPOT past 90% of it."""
-        return self._urgency(d, snapshot, whatif) > self.cfg.behind_fraction
+        bf = self.cfg.behind_fraction
+        if not (d.running or d.queued_prefill_tokens) and bf >= 0:
+            return False  # nothing to run: its next iteration takes no time, so its urgency is 0
+        return self._urgency(d, snapshot, whatif) > bf
 
     def _tenant_behind(self, tenant: str, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> bool:
         """At least ``tenant_behind_fraction`` of the tenant's container (``d`` included) is behind. A tenant with
         many devices absorbs a load spike on one of them by routing to the others; a lease for it would take guest
         time that a tenant with nowhere else to go needs (α = 2.1: the largest tenant, 16 devices and no
         violations, held 4× the lane time of the bursty one that had them all)."""
-        devs = [did for did in self.devices_of.get(tenant, ()) if did != d.id
-                and snapshot.devices[did].home_tenant == tenant and not snapshot.devices[did].draining]
-        need = self.cfg.tenant_behind_fraction * (len(devs) + 1) - 1.0  # d itself is behind
-        n = 0
-        for did in devs:
-            if n >= need:
+        cfg, devices = self.cfg, snapshot.devices
+        devs = [g for g in (devices[did] for did in self.devices_of.get(tenant, ()) if did != d.id)
+                if g.home_tenant == tenant and not g.draining]
+        need = cfg.tenant_behind_fraction * (len(devs) + 1) - 1.0  # d itself is behind
+        if cfg.behind_fraction >= 0:  # a device with nothing to run is never behind (see _behind): skip those
+            devs = [g for g in devs if g.running or g.queued_prefill_tokens]
+        # the answer is whether at least `need` of them are behind: stop as soon as that is decided either way
+        n, left = 0, len(devs)
+        for g in devs:
+            if n >= need or n + left < need:
                 break
-            n += self._behind(snapshot.devices[did], snapshot, whatif)
+            n += self._behind(g, snapshot, whatif)
+            left -= 1
         return n >= need
 
     def _seek(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> GrantLease | None:
@@ -242,8 +266,7 @@ class SlicePolicy(Policy):
         if last is not None and snapshot.now - last < cfg.min_seek_interval_s:
             return None
         self._last_seek[d.id] = snapshot.now
-        mine = [lease for lease in snapshot.leases.values() if lease.tenant == tenant and lease.home_device == d.id
-                and lease.state != "draining"]
+        mine = [lease for lease in snapshot.leases_from(d.id) if lease.tenant == tenant and lease.state != "draining"]
         if not self._behind(d, snapshot, whatif) or not self._tenant_behind(tenant, d, snapshot, whatif):
             return None
         t = snapshot.tenants[tenant]
@@ -354,20 +377,29 @@ class SlicePolicy(Policy):
                     1.0 - tpot0 * stretch0 / (cfg.guest_margin * sla.tpot_ms / 1e3))
         return max(0.0, min(room, limit - g.guest_share - SHARE_EPS))
 
+    def _indexes(self, snapshot: ClusterSnapshot) -> Indexes:
+        """The indexes this policy keeps on a tracked snapshot (built on first use)."""
+        idx = snapshot.device_index
+        if not isinstance(idx, Indexes):
+            idx = snapshot.device_index = Indexes(snapshot.devices, self.devices_of)
+        return idx
+
     def _guests(self, d: DeviceState, snapshot: ClusterSnapshot, exclude: set[str]) -> list[DeviceState]:
-        """Bounded candidate set: idle first, then least loaded, most free memory, same host first."""
-        scored = []
-        tenant = d.home_tenant
-        for g in snapshot.devices.values():
-            if g.id == d.id or g.id in exclude or g.draining or g.guest_share >= 0.95 - self.cfg.min_share:
-                continue
-            idle = 0 if not (g.busy or g.outstanding) else 1
-            same = 0 if g.host == d.host else 1
-            staged = ((tenant, "*") in g.resident) + ((tenant, "mlp[0]") in g.resident)  # reuse: no staging
-            scored.append(((idle, -staged, same, g.outstanding + g.queued_prefill_tokens / 2048,
-                            -(g.free_bytes + g.evictable_bytes), g.id), g))
-        scored.sort(key=lambda x: x[0])
-        return [g for _, g in scored[: self.cfg.max_candidates]]
+        """Bounded candidate set: idle first, then those with the tenant's weights staged (reuse: no staging),
+        same host first, least loaded, most free memory (:func:`~shared.policies.guest_index.full_key`). On a
+        tracked snapshot (the simulator's) from an index kept current as devices change; else by a full scan."""
+        cap = 0.95 - self.cfg.min_share
+
+        def eligible(g: DeviceState) -> bool:
+            return not (g.id == d.id or g.id in exclude or g.draining or g.guest_share >= cap)
+
+        if not snapshot.tracked:
+            return rank_all(snapshot.devices.values(), d.home_tenant, d.host, self.cfg.max_candidates, eligible)
+        out = self._indexes(snapshot).guests.rank(d.home_tenant, d.host, self.cfg.max_candidates, eligible)
+        if self.check_index:  # tests: the index must give exactly what the full scan gives
+            want = rank_all(snapshot.devices.values(), d.home_tenant, d.host, self.cfg.max_candidates, eligible)
+            assert out == want, f"guest index out of date: {[g.id for g in out]} != {[g.id for g in want]}"
+        return out
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()

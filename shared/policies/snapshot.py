@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 from shared.config import SLA
 from shared.model.config import ModelConfig
@@ -86,6 +87,79 @@ class LeaseState:
     state: str = "staging"  # staging | active | ended | revoked
 
 
+class LeaseTable(dict):
+    """``lease id -> LeaseState`` that keeps itself indexed by guest device, home device and tenant as leases are
+    added and removed (each group in the table's own order), so that the policies look leases up instead of
+    scanning them. A lease's own fields (state, end) may change in place; its devices and tenant never do."""
+
+    __slots__ = ("by_guest", "by_home", "by_tenant")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.by_guest: dict[str, dict[str, LeaseState]] = {}
+        self.by_home: dict[str, dict[str, LeaseState]] = {}
+        self.by_tenant: dict[str, dict[str, LeaseState]] = {}
+        for lid, lease in self.items():
+            self._file(lid, lease)
+
+    def _file(self, lid: str, lease: LeaseState) -> None:
+        self.by_guest.setdefault(lease.guest_device, {})[lid] = lease
+        self.by_home.setdefault(lease.home_device, {})[lid] = lease
+        self.by_tenant.setdefault(lease.tenant, {})[lid] = lease
+
+    def _unfile(self, lid: str, lease: LeaseState) -> None:
+        for idx, key in ((self.by_guest, lease.guest_device), (self.by_home, lease.home_device),
+                         (self.by_tenant, lease.tenant)):
+            group = idx[key]
+            del group[lid]
+            if not group:
+                del idx[key]
+
+    def __setitem__(self, lid: str, lease: LeaseState) -> None:
+        replaced = lid in self
+        super().__setitem__(lid, lease)
+        if replaced:  # it keeps its place in the table: rebuild so that the groups keep the table's order
+            self._rebuild()
+        else:
+            self._file(lid, lease)
+
+    def __delitem__(self, lid: str) -> None:
+        lease = self[lid]
+        super().__delitem__(lid)
+        self._unfile(lid, lease)
+
+    def pop(self, lid: str, *default):
+        if lid in self:
+            lease = super().pop(lid)
+            self._unfile(lid, lease)
+            return lease
+        return super().pop(lid, *default)
+
+    def popitem(self):
+        lid, lease = super().popitem()
+        self._unfile(lid, lease)
+        return lid, lease
+
+    def clear(self) -> None:
+        super().clear()
+        self._rebuild()
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._rebuild()
+
+    def setdefault(self, lid: str, default=None):
+        if lid not in self:
+            self[lid] = default
+        return self[lid]
+
+
+_NO_LEASES: tuple = ()
+
+
 @dataclass
 class ClusterSnapshot:
     """Everything a policy may look at. ``links`` gives the link kind for (host, host) pairs via link_kind()."""
@@ -97,6 +171,25 @@ class ClusterSnapshot:
     intra_host_link: str = "nvlink"
     inter_host_link: str = "nccl"
     epoch: int = 0
+    # True when the snapshot's owner calls touch() after every change to a device (the simulator, which keeps one
+    # snapshot current in place); policies may then keep indexes over the devices (``device_index``)
+    tracked: bool = False
+    device_index: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def touch(self, d: DeviceState) -> None:
+        """``d``'s fields changed (only meaningful on a tracked snapshot): bring the device index up to date."""
+        if self.device_index is not None:
+            self.device_index.update(d)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.leases, LeaseTable):
+            self.leases = LeaseTable(self.leases)
+
+    def _leases(self) -> LeaseTable:
+        leases = self.leases
+        if not isinstance(leases, LeaseTable):  # replaced by a plain dict after construction
+            leases = self.leases = LeaseTable(leases)
+        return leases
 
     def link_kind(self, a: str, b: str) -> str:
         """Link kind between two devices (same host: intra-host link)."""
@@ -107,9 +200,18 @@ class ClusterSnapshot:
         """Devices holding an engine of ``tenant``."""
         return [d for d in self.devices.values() if tenant in d.tenants]
 
-    def leases_on(self, device: str) -> list[LeaseState]:
-        """Active or staging leases hosted by ``device``."""
-        return [lease for lease in self.leases.values() if lease.guest_device == device]
+    def leases_on(self, device: str) -> Iterable[LeaseState]:
+        """Leases hosted by ``device`` (any state), in the order they were added (a view: do not change the
+        leases while iterating it)."""
+        group = self._leases().by_guest.get(device)
+        return group.values() if group else _NO_LEASES
 
-    def leases_of(self, tenant: str) -> list[LeaseState]:
-        return [lease for lease in self.leases.values() if lease.tenant == tenant]
+    def leases_from(self, device: str) -> Iterable[LeaseState]:
+        """Leases whose home (driving) device is ``device``, in the order they were added (a view)."""
+        group = self._leases().by_home.get(device)
+        return group.values() if group else _NO_LEASES
+
+    def leases_of(self, tenant: str) -> Iterable[LeaseState]:
+        """Leases of ``tenant``, in the order they were added (a view)."""
+        group = self._leases().by_tenant.get(tenant)
+        return group.values() if group else _NO_LEASES

@@ -15,6 +15,60 @@ MIN_GUEST_SHARE = 0.02  # a guest lane is paused, not stopped, while the device'
 LANE_WINDOW_S = 1.0  # exclusive lanes: guest vs own time is balanced over this window (as the worker's GuestLanes)
 
 
+class LaneHistory:
+    """Recent steps of a device with guest lanes, ``(end, seconds, guest?, nanoseconds)``, with running sums of
+    the guest and total time in integer nanoseconds (exact: no drift however long the run).
+
+    :meth:`guest_within` decides ``guest <= frac * total`` exactly as summing the window's float durations left to
+    right would: the integer sums are within half a nanosecond per step of the exact sums, the float sums within
+    ~1e-13 s, so outside a margin of one nanosecond per step the two agree; inside it (near-ties, rare) the float
+    sums are computed as before."""
+
+    __slots__ = ("steps", "guest_ns", "total_ns")
+
+    def __init__(self) -> None:
+        self.steps: deque = deque()
+        self.guest_ns = self.total_ns = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i: int) -> tuple:
+        return self.steps[i]
+
+    def append(self, end: float, dur: float, guest: bool) -> None:
+        ns = round(dur * 1e9)
+        self.steps.append((end, dur, guest, ns))
+        self.total_ns += ns
+        if guest:
+            self.guest_ns += ns
+
+    def trim(self, before: float) -> None:
+        """Forget steps that ended before ``before``."""
+        h = self.steps
+        while h and h[0][0] < before:
+            _, _, guest, ns = h.popleft()
+            self.total_ns -= ns
+            if guest:
+                self.guest_ns -= ns
+
+    def guest_within(self, frac: float) -> bool:
+        """Guest time in the window ≤ ``frac`` × all time in it."""
+        diff = self.guest_ns - frac * self.total_ns
+        margin = len(self.steps) + 2
+        if diff < -margin:
+            return True
+        if diff > margin:
+            return False
+        h = self.steps
+        g = sum(d for _, d, guest, _ in h if guest)
+        total = sum(d for _, d, _, _ in h)
+        return g <= frac * total
+
+
 class SimDevice:
     """Runs one engine step at a time. ``sharing`` decides which ready engine goes next (see Placement)."""
 
@@ -57,7 +111,7 @@ class SimDevice:
         # with its own steps, as a worker's compute thread runs them (services/worker/lanes.py); False: the
         # older fluid model, where a lane runs beside the own tenant slowed to its share.
         self.exclusive_lanes = True
-        self.hist: deque = deque()  # exclusive lanes: (end, seconds, guest?) of recent steps, for the share
+        self.hist = LaneHistory()  # exclusive lanes: recent steps, for the guests' share
 
     def make_lane(self, lease: SimLease) -> "SimDevice":
         """A guest lane: its own step loop over this device's memory, running under ``lease``'s share."""
@@ -74,7 +128,12 @@ class SimDevice:
 
     def own_active(self) -> bool:
         """The device's own tenant has work (busy or queued)."""
-        return self.cur is not None or any(e.outstanding for e in self.engines)
+        if self.cur is not None:
+            return True
+        for e in self.engines:
+            if e.waiting or e.prefilling or e.decoding:
+                return True
+        return False
 
     def lane_share(self) -> float:
         """Share of the parent's time this lane gets now (see :meth:`share_for`)."""
@@ -135,9 +194,13 @@ class SimDevice:
                 else:
                     p.start(now)
                 return
-            if self.cur is not None or any(lane.cur is not None for lane in self.lanes):
+            if self.cur is not None:
                 return
-            if self.lanes:
+            lanes = self.lanes
+            if lanes:
+                for lane in lanes:
+                    if lane.cur is not None:
+                        return
                 lane, waiting = self._lane_due(now)
                 if lane is not None:
                     lane._step(now, single=True)
@@ -153,38 +216,55 @@ class SimDevice:
         prompts to prefill, never twice in a row while it decodes (a run of lane iterations would stall its
         tokens), and otherwise while the guest time over the last ``LANE_WINDOW_S`` is within the share the own
         tenant yields (``f_dyn``, at least ``MIN_GUEST_SHARE``); the lane that ran longest ago goes first."""
-        ready = [lane for lane in self.lanes if any(e.ready(now) for e in lane.engines)]
-        if not ready:
+        lane = None  # the ready lane with the earliest cur_end (the first of equals)
+        for x in self.lanes:
+            for e in x.engines:
+                if e.ready(now):
+                    if lane is None or x.cur_end < lane.cur_end:
+                        lane = x
+                    break
+        if lane is None:
             return None, False
-        lane = min(ready, key=lambda x: x.cur_end)
-        if not any(e.ready(now) for e in self.engines):
+        engines = self.engines
+        for e in engines:
+            if e.ready(now):
+                break
+        else:
             return lane, True
-        if any(e.waiting or e.prefilling for e in self.engines):
-            return None, True  # the own tenant's prompts first (its TTFT), as in the fluid model
+        for e in engines:
+            if e.waiting or e.prefilling:
+                return None, True  # the own tenant's prompts first (its TTFT), as in the fluid model
         h = self.hist
-        while h and h[0][0] < now - LANE_WINDOW_S:
-            h.popleft()
-        if h and h[-1][2] and any(e.decoding for e in self.engines):
-            return None, True  # one lane iteration at most between two of the own tenant's (its TPOT)
-        g = sum(d for _, d, guest in h if guest)
-        total = sum(d for _, d, _ in h)
-        if g <= max(MIN_GUEST_SHARE, self.f_dyn - self.guest_share("segments")) * total:
+        h.trim(now - LANE_WINDOW_S)
+        if h and h[-1][2]:
+            for e in engines:
+                if e.decoding:
+                    return None, True  # one lane iteration at most between two of the own tenant's (its TPOT)
+        if h.guest_within(max(MIN_GUEST_SHARE, self.f_dyn - self.guest_share("segments"))):
             return lane, True
         return None, True
 
     def _step(self, now: float, single: bool) -> None:
         """Pick one of this device's (or lane's) engines with work and schedule its next step (one iteration when
         ``single``, so that a waiting lane gets its turn at the next boundary)."""
-        ready = [e for e in self.engines if e.ready(now)]
-        if not ready:
-            return
-        eng = self._pick(ready)
+        engines = self.engines
+        if len(engines) == 1:
+            eng = engines[0]
+            if not eng.ready(now):
+                return
+            n_ready = 1
+        else:
+            ready = [e for e in engines if e.ready(now)]
+            if not ready:
+                return
+            eng = self._pick(ready)
+            n_ready = len(ready)
         if self.parent is not None:
             self.home_active = self.parent.own_active()
             eng.slowdown = 1.0 if self.exclusive_lanes else 1.0 / max(1e-6, self.lane_share())
         else:
             eng.slowdown = 1.0
-        n, dur = eng.plan(now, exclusive=len(ready) == 1 and not single)
+        n, dur = eng.plan(now, exclusive=n_ready == 1 and not single)
         if self.parent is None and (self.hosted or self.f_dyn):
             dur = self._yield(eng, n, dur, now)
         if self.sharing == "switch":
@@ -239,7 +319,7 @@ class SimDevice:
         else:
             self.busy_s += dur
         if self.exclusive_lanes and (self.lanes or self.parent is not None):
-            self.hist.append((now, dur, self.parent is not None))
+            self.hist.append(now, dur, self.parent is not None)
         if self.sharing == "weighted":
             self.used_s[eng.eid] = self.used_s.get(eng.eid, 0.0) + dur
         eng.complete(now, dur)

@@ -248,6 +248,7 @@ class LeaseBook:
         s, m = dev.state, dev.mem
         s.used_bytes, s.staged_bytes, s.evictable_bytes = m.used, m.by_kind["staged"], m.evictable()
         s.resident = {k: e.nbytes for k, e in m.staged.items()}
+        self.sim.snapshot.touch(s)
 
     # ---------------------------------------------------------------- reassignment (container-realloc)
     def reassign(self, a: Reassign) -> None:

@@ -69,7 +69,7 @@ class Simulator:
             devices={d.id: DeviceState(d.id, d.kind, d.host, d.memory_bytes,
                                        d.memory_bytes - self.devices[d.id].mem.limit) for d in cluster.devices},
             tenants={t.name: TenantState(t.name, t.model.config, t.sla, list(t.home_devices))
-                     for t in tenants.tenants})
+                     for t in tenants.tenants}, tracked=True)
         for dev in self.devices.values():
             dev.state = self.snapshot.devices[dev.id]
         self.requests: list[SimRequest] = []
@@ -96,7 +96,8 @@ class Simulator:
         heapq.heappush(self._heap, (t, self._seq, kind, obj, version))
 
     def _schedule_step(self, dev: SimDevice, t: float, version: int) -> None:
-        self.push(t, STEP, dev, version)
+        self._seq += 1  # push(t, STEP, dev, version), inlined: one per device step
+        heapq.heappush(self._heap, (t, self._seq, STEP, dev, version))
 
     # ---------------------------------------------------------------- engines
     def model_of(self, tenant: str):
@@ -156,16 +157,27 @@ class Simulator:
         if dev.parent is not None:
             dev = dev.parent
         s = dev.state
-        q = r = qp = kv = 0
-        oldest = math.inf
-        for e in dev.engines:
-            q += len(e.waiting)
-            r += len(e.prefilling) + len(e.decoding)
-            qp += e.queued_prefill
-            kv += e.decode_kv
-            o = e.oldest_pending()
-            if o < oldest:
-                oldest = o
+        engines = dev.engines
+        if len(engines) == 1:  # the common case, spelled out (oldest_pending() inlined)
+            e = engines[0]
+            waiting, prefilling = e.waiting, e.prefilling
+            q, r, qp, kv = len(waiting), len(prefilling) + len(e.decoding), e.queued_prefill, e.decode_kv
+            oldest = math.inf
+            if prefilling:
+                oldest = prefilling[0].arrival
+            if waiting and waiting[0].arrival < oldest:
+                oldest = waiting[0].arrival
+        else:
+            q = r = qp = kv = 0
+            oldest = math.inf
+            for e in engines:
+                q += len(e.waiting)
+                r += len(e.prefilling) + len(e.decoding)
+                qp += e.queued_prefill
+                kv += e.decode_kv
+                o = e.oldest_pending()
+                if o < oldest:
+                    oldest = o
         s.queued, s.running, s.queued_prefill_tokens, s.decode_kv_tokens, s.oldest_pending_s = q, r, qp, kv, oldest
         m = dev.mem
         s.used_bytes, s.kv_bytes, s.staged_bytes = m.used, m.by_kind["kv"], m.by_kind["staged"]
@@ -181,6 +193,7 @@ class Simulator:
                 if e.outstanding:
                     by[e.tenant] = by.get(e.tenant, 0) + e.outstanding
             s.outstanding_by_tenant = by
+        self.snapshot.touch(s)
 
     def _on_first_token(self, req: SimRequest, now: float) -> None:
         ts = self.snapshot.tenants[req.tenant]

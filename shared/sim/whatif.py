@@ -48,12 +48,22 @@ class WhatIfResult:
     guest_ttft_s: float  # a typical request of the guest's own tenant, arriving during the lease
     guest_tpot_s: float
     guest_memory_peak_bytes: int
-    busy_timeline: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    # (start, slot width, slots, ((device, busy fraction), ...)): the busy timeline, built when asked for (the
+    # policies never read it; the simulator service's replies do)
+    timeline: tuple | None = None
     breaks: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.breaks
+
+    @property
+    def busy_timeline(self) -> dict[str, list[tuple[float, float, float]]]:
+        """Busy fraction per slot over the horizon for the two devices involved: device -> [(start, end, busy)]."""
+        if self.timeline is None:
+            return {}
+        now, w, slots, fracs = self.timeline
+        return {did: [(now + i * w, now + (i + 1) * w, f) for i in range(slots)] for did, f in fracs}
 
 
 class WhatIf:
@@ -61,8 +71,11 @@ class WhatIf:
 
     def __init__(self, links: dict[str, dict[str, object]] | None = None, params: WhatIfParams | None = None) -> None:
         self.params = params or WhatIfParams()
-        self._costs: dict[tuple[str, str], ModelCost] = {}  # (tenant, device kind) -> its cost model
-        self._memo: dict | None = None  # per-evaluate cache of the devices' own iterations (one snapshot)
+        self._costs: dict[tuple[str, str], tuple] = {}  # (tenant, device kind) -> (its model, its cost model)
+        self._memo: dict | None = None  # per-evaluate cache of per-device terms (one snapshot)
+        # (cost id, device) -> [running, queued prefill tokens, decode KV tokens, cost, iteration, micro-batch parts]:
+        # a device's own iteration depends on those three numbers only, so it is recomputed only when they change
+        self._iters: dict[tuple[int, str], list] = {}
 
     @classmethod
     def for_cluster(cls, cluster: ClusterConfig, snapshot: ClusterSnapshot | None = None, cfg=None) -> "WhatIf":
@@ -74,10 +87,10 @@ class WhatIf:
         return cls(params=p)
 
     def cost(self, tenant: TenantState, kind: str) -> ModelCost:
-        c = self._costs.get((tenant.name, kind))
-        if c is None or c.config is not tenant.model:  # first use, or the tenant's model was replaced
-            c = self._costs[(tenant.name, kind)] = cost_for(tenant.model, kind)
-        return c
+        hit = self._costs.get((tenant.name, kind))
+        if hit is None or hit[0] is not tenant.model:  # first use, or the tenant's model was replaced
+            hit = self._costs[(tenant.name, kind)] = (tenant.model, cost_for(tenant.model, kind))
+        return hit[1]
 
     def _cached(self, key: tuple, compute):
         """``compute()``, remembered for the rest of the current :meth:`evaluate` call (one snapshot)."""
@@ -90,18 +103,28 @@ class WhatIf:
         return v
 
     # ---------------------------------------------------------------- one device's own work
+    def _iter_entry(self, cost: ModelCost, d: DeviceState) -> list:
+        key = (id(cost), d.id)
+        e = self._iters.get(key)
+        r, q, kv = d.running, d.queued_prefill_tokens, d.decode_kv_tokens
+        if e is None or e[0] != r or e[1] != q or e[2] != kv or e[3] is not cost:
+            e = self._iters[key] = [r, q, kv, cost, self._device_iteration(cost, d), None]
+        return e
+
     def device_iteration(self, cost: ModelCost, d: DeviceState) -> tuple[float, int, int, int]:
-        """(iteration time, decode rows, prefill rows, sampled rows) of the device's next iteration, alone."""
-        return self._cached(("it", id(cost), d.id), lambda: self._device_iteration(cost, d))
+        """(iteration time, decode rows, prefill rows, sampled rows) of the device's next iteration, alone
+        (remembered per device until its batch or queue changes)."""
+        return self._iter_entry(cost, d)[4]
 
     def micro_batch_parts(self, cost: ModelCost, d: DeviceState) -> tuple[int, float, float, float]:
         """The home-side terms of an offloaded iteration of the device's next batch (see
         :func:`shared.costmodel.offload.micro_batch_parts`), remembered like :meth:`device_iteration`."""
-        def compute():
-            _, b, p, sampled = self.device_iteration(cost, d)
-            return micro_batch_parts(cost, b, d.decode_kv_tokens, p, p * (p + 1) // 2, p, sampled,
+        e = self._iter_entry(cost, d)
+        if e[5] is None:
+            _, b, p, sampled = e[4]
+            e[5] = micro_batch_parts(cost, b, d.decode_kv_tokens, p, p * (p + 1) // 2, p, sampled,
                                      self.params.micro_batches)
-        return self._cached(("mb", id(cost), d.id), compute)
+        return e[5]
 
     def _device_iteration(self, cost: ModelCost, d: DeviceState) -> tuple[float, int, int, int]:
         b = max(0, d.running - (1 if d.queued_prefill_tokens else 0))
@@ -163,8 +186,8 @@ class WhatIf:
         link_kind = snap.link_kind(home.id, guest.id)
         link = load_profile(home.kind).link(link_kind)
         parts, shares = [], []
-        for lease in snap.leases.values():  # leases this engine already holds
-            if lease.tenant == cand.tenant and lease.home_device == home.id and lease.state == "active":
+        for lease in snap.leases_from(home.id):  # leases this engine already holds
+            if lease.tenant == cand.tenant and lease.state == "active":
                 g = snap.devices[lease.guest_device]
                 parts.append(OffloadPart(g.id, len(lease.segments), lease.share,
                                          load_profile(home.kind).link(snap.link_kind(home.id, g.id)),
@@ -264,11 +287,8 @@ class WhatIf:
             breaks.append("memory_window")
         if guest.guest_share + cand.share > 0.95:
             breaks.append("share")
-        w = horizon_s / prm.slots
-        tl = {home.id: [(snap.now + i * w, snap.now + (i + 1) * w, 1.0 if home.outstanding else 0.0)
-                        for i in range(prm.slots)],
-              guest.id: [(snap.now + i * w, snap.now + (i + 1) * w, min(1.0, g_eff + (1 - g_eff) * own_active))
-                         for i in range(prm.slots)]}
+        tl = (snap.now, horizon_s / prm.slots, prm.slots,
+              ((home.id, 1.0 if home.outstanding else 0.0), (guest.id, min(1.0, g_eff + (1 - g_eff) * own_active))))
         return WhatIfResult(cand, base_s, base_s * (1.0 - frac), frac, ttft, lane_tpot, ttft_before, g_ttft, g_tpot,
                             peak, tl, breaks)
 
@@ -286,8 +306,9 @@ class WhatIf:
         return int(per_req * (d.queued + arrivals))
 
     def _timeline(self, home: DeviceState, guest: DeviceState, iter_s: float, leased, g_share: float,
-                  horizon_s: float, now: float) -> dict[str, list[tuple[float, float, float]]]:
-        """Busy fraction per slot over the horizon for the two devices involved."""
+                  horizon_s: float, now: float) -> tuple:
+        """Busy fraction per slot over the horizon for the two devices involved (see
+        :attr:`WhatIfResult.timeline`)."""
         slots = self.params.slots
         w = horizon_s / slots
         home_busy = 1.0 if (home.running or home.queued) else 0.0
@@ -295,5 +316,4 @@ class WhatIf:
         guest_own = 1.0 if guest.busy else 0.0
         guest_frac = min(1.0, guest_own * (1.0 - g_share) + min(g_share, used * g_share) if guest_own else
                          min(1.0, used * g_share))
-        return {home.id: [(now + i * w, now + (i + 1) * w, home_busy) for i in range(slots)],
-                guest.id: [(now + i * w, now + (i + 1) * w, guest_frac * home_busy) for i in range(slots)]}
+        return now, w, slots, ((home.id, home_busy), (guest.id, guest_frac * home_busy))

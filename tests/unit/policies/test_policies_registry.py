@@ -171,7 +171,9 @@ def test_slice_seeks_for_a_tenant_only_when_enough_of_its_container_is_behind(be
     from types import SimpleNamespace
     pol = make_policy("slice", {"tenant_behind_fraction": fraction})
     pol.devices_of = {"t0": ["a", "b", "c", "d"]}
-    devs = {i: SimpleNamespace(id=i, home_tenant="t0", draining=False) for i in "abcd"}
+    # every device has work (a device with nothing to run is never behind, and is not asked)
+    devs = {i: SimpleNamespace(id=i, home_tenant="t0", draining=False, running=1, queued_prefill_tokens=0)
+            for i in "abcd"}
     snap = SimpleNamespace(devices=devs)
     pol._behind = lambda d, s, w: d.id in behind
     assert pol._tenant_behind("t0", devs["a"], snap, None) is expected

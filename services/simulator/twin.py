@@ -88,6 +88,7 @@ class Twin:
                  rates: RateEstimator | None = None, corrections: CorrectionTable | None = None,
                  default_input: int = 512, default_output: int = 128) -> None:
         self.cluster, self.tenants = cluster, tenants
+        self._names = frozenset(tenants.names())
         self.book = book or RequestBook()
         self.rates = rates or RateEstimator()
         self.corrections = corrections or CorrectionTable()
@@ -95,6 +96,11 @@ class Twin:
         self.profiles = {d.id: load_profile(d.kind) for d in cluster.devices}
         self.kinds = {d.id: d.kind for d in cluster.devices}
         self._costs: dict[tuple[str, str], tuple[tuple, ModelCost]] = {}
+
+    def configured(self, tenant: str | None) -> str | None:
+        """``tenant`` if the tenants file has it, else None: a GMG read before its start-up reconciliation (or
+        mid-way through one) may still name a tenant the new configuration removed."""
+        return tenant if tenant and tenant in self._names else None
 
     def cost(self, tenant: str, device: str) -> ModelCost | None:
         """``tenant``'s model on ``device``'s profile, with the device's current correction factors."""
@@ -125,7 +131,7 @@ class Twin:
     def work_of(self, snap: GMGSnapshot, did: str, now: float, rates: dict[str, float]) -> DeviceWork:
         """One device's work (see :meth:`device_work`)."""
         dev = snap.devices[did]
-        tenant = dev.home_tenant
+        tenant = self.configured(dev.home_tenant)
         cost = self.cost(tenant, did) if tenant else None
         mi, mo = self.means(tenant) if tenant else (0.0, 0.0)
         kvpt = self.tenants.get(tenant).model.config.kv_bytes_per_token() if tenant else 0
@@ -161,7 +167,7 @@ class Twin:
             queued = w.queued if w else d.queued
             devices[did] = DeviceState(
                 id=did, kind=d.kind, host=d.host, capacity_bytes=d.capacity, headroom_bytes=d.headroom,
-                home_tenant=d.home_tenant or None, tenants=[d.home_tenant] if d.home_tenant else [],
+                home_tenant=self.configured(d.home_tenant), tenants=[t for t in [self.configured(d.home_tenant)] if t],
                 used_bytes=d.reserved, kv_bytes=snap.reserved_by_kind(did).get("kv", 0),
                 staged_bytes=sum(staged.values()), evictable_bytes=sum(n for k, n in staged.items() if k not in pinned),
                 queued=queued, running=len(seqs), queued_prefill_tokens=int(queued * (w.mean_input if w else 0)),

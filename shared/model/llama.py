@@ -109,11 +109,10 @@ class LlamaModel:
             self._w["head"]["lm_head"] = self._w["embed"]["embed"]
         self._nh, self._kvh, self._hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self._scale = 1.0 / math.sqrt(self._hd)
-        inv = rope_inv_freq(cfg)
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self._cos = emb.cos().to(self.device, self.dtype)
-        self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.device, self.dtype)  # sign folded in
+        # RoPE angles are computed per batch from the positions (as transformers does), not kept as a
+        # [max_position, head_dim] table: for a 128k-context model that table and its float32 temporaries
+        # would cost hundreds of MB at start-up
+        self._inv = rope_inv_freq(cfg).to(self.device)
 
     @classmethod
     def partial(cls, cfg: ModelConfig, segments: Iterable[str], device: str | torch.device = "cpu") -> "LlamaModel":
@@ -266,8 +265,9 @@ class LlamaModel:
         qkv = qkv.view(t, nh + 2 * kvh, hd)
         cos = ctx.rope.get("cos")
         if cos is None:
-            cos = ctx.rope["cos"] = self._cos.index_select(0, ctx.positions).unsqueeze(1)
-            ctx.rope["sin"] = self._sin.index_select(0, ctx.positions).unsqueeze(1)
+            freqs = torch.outer(ctx.positions.to(torch.float32), self._inv)
+            cos = ctx.rope["cos"] = torch.cat([freqs, freqs], dim=-1).cos().to(self.dtype).unsqueeze(1)
+            ctx.rope["sin"] = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype).unsqueeze(1)  # sign folded in
         sin = ctx.rope["sin"]
         qk = qkv[:, :nh + kvh]
         if "q_norm" in w:  # Qwen3: RMSNorm over each head of q and of k, before RoPE

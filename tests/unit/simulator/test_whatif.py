@@ -136,3 +136,14 @@ def test_rates_and_forecast_fields():
     f = core.forecast_fields(1000.0)["g0"]
     assert f["label"] == "simulated" and f["state"] == "up" and 0 < float(f["busy_ratio"]) <= 1
     assert int(f["free_min"]) == LIMIT - int(f["peak_bytes"])
+
+
+def test_a_device_still_homed_to_a_removed_tenant_is_read_as_unhomed():
+    """Restarted with a tenants file that drops a tenant, the simulator may read the GMG before the GMG service
+    reconciles it: the removed tenant's device counts as having no tenant instead of failing the refresh."""
+    snap = _snap(running_a=2, running_b=0)
+    snap.devices["g2"] = _dev("g2", "gone", GIB, queued=4)
+    snap.requests["g2"] = {"x0": RunningRequest("x0", "gone", "running", 1000.0)}
+    core = _core(snap)
+    assert core.view.cluster.devices["g2"].home_tenant is None and core.view.cluster.devices["g2"].tenants == []
+    assert core.view.cluster.devices["g0"].home_tenant == "a"

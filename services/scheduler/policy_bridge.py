@@ -221,7 +221,6 @@ class LeaseManager:
         self.activation_bytes = activation_bytes
         self._resident: set[tuple[str, str, str]] = set()  # (guest, tenant, segment) this scheduler saw staged
         self._last_used: dict[str, dict[str, float]] = {}  # guest -> "tenant|segment" -> last lease on it (LRU)
-        self.home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
         self.evicted = 0
         self._seg_bytes = {t.name: {s.name: s.weight_bytes for s in ModelGraph.from_config(t.model.config).segments}
                            for t in tenants.tenants}

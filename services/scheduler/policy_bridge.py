@@ -10,7 +10,7 @@ import uuid
 import structlog
 
 from shared.config import ClusterConfig, TenantsConfig
-from shared.gmg import GMGStore, Refused
+from shared.gmg import GMGStore, Refused, Room
 from shared.gmg.lease_store import Lease, LeaseStore
 from shared.messages import LeaseGranted, LeaseRevoked, worker_stream
 from shared.model.graph import ModelGraph
@@ -220,8 +220,7 @@ class LeaseManager:
         self.granted = self.revoked = self.expired = self.refused = self.extended = 0
         self.activation_bytes = activation_bytes
         self._resident: set[tuple[str, str, str]] = set()  # (guest, tenant, segment) this scheduler saw staged
-        self._last_used: dict[tuple[str, str, str], float] = {}  # (guest, tenant, segment) -> last lease on it
-        self.home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
+        self._last_used: dict[str, dict[str, float]] = {}  # guest -> "tenant|segment" -> last lease on it (LRU)
         self.evicted = 0
         self._seg_bytes = {t.name: {s.name: s.weight_bytes for s in ModelGraph.from_config(t.model.config).segments}
                            for t in tenants.tenants}
@@ -242,26 +241,26 @@ class LeaseManager:
         lid = uuid.uuid4().hex[:12]
         lease = Lease(lid, g.tenant, g.guest_device, tuple(g.segments), now, now + g.duration_s,
                       self.activation_bytes, home=g.home_device, share=g.share, mode=g.mode)
-        # one commit stages what this scheduler has not seen resident there and commits the lease; if its view
-        # was stale (evicted or staged by someone else meanwhile), the two-step path below
-        res = await self.leases_store.commit(lease, stage={s: n for s, n in missing.items()
-                                                           if (g.guest_device, g.tenant, s) not in self._resident})
+        # one commit stages what this scheduler has not seen resident there and commits the lease, evicting in
+        # the same script the cached weights of ended leases (least recently leased first) it needs the memory of;
+        # if its view was stale (evicted or staged by someone else meanwhile), one more after reading residency
+        recency = self._last_used.get(g.guest_device, {})
+        res = await self.leases_store.commit_making_room(
+            lease, recency, stage={s: n for s, n in missing.items()
+                                   if (g.guest_device, g.tenant, s) not in self._resident})
         if isinstance(res, Refused) and res.reason in ("already_resident", "not_resident"):
             here = await self.leases_store.resident(g.guest_device, g.tenant, missing)
             self._resident -= {(g.guest_device, g.tenant, s) for s in missing}
             self._resident |= {(g.guest_device, g.tenant, s) for s in here}
-            res = await self.leases_store.commit(lease, stage={s: n for s, n in missing.items() if s not in here})
-        if isinstance(res, Refused) and res.reason == "insufficient_memory":
-            # cached weights of ended leases hold the memory: evict them (least recently used first) and retry
-            stage = {s: n for s, n in missing.items() if (g.guest_device, g.tenant, s) not in self._resident}
-            if await self.make_room(g.guest_device, sum(stage.values()) + lease.nbytes, keep=g.tenant):
-                res = await self.leases_store.commit(lease, stage=stage)
+            res = await self.leases_store.commit_making_room(
+                lease, recency, stage={s: n for s, n in missing.items() if s not in here})
         if isinstance(res, Refused):
             self.refused += 1
             log.info("lease_refused", tenant=g.tenant, guest=g.guest_device, reason=res.reason, detail=res.detail)
             return None, []
+        self.note_evicted(res.evicted)
         self._resident |= {(g.guest_device, g.tenant, s) for s in missing}
-        self._last_used.update({(g.guest_device, g.tenant, s): now for s in missing})
+        self._last_used.setdefault(g.guest_device, {}).update({f"{g.tenant}|{s}": now for s in missing})
         st = LeaseState(lid, g.tenant, g.home_device, g.guest_device, tuple(g.segments), now, now + g.duration_s,
                         g.memory_bytes + self.activation_bytes, g.share, mode=getattr(g, "mode", "segments"),
                         state="active")
@@ -275,51 +274,28 @@ class LeaseManager:
         return st, [(worker_stream(self.p, d), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))
                     for d in (g.guest_device, g.home_device)]
 
-    async def make_room(self, device: str, need: int, keep: str = "") -> int:
-        """Evict weights staged on ``device`` that no active lease pins — least recently leased first, never the
-        device's home tenant's or ``keep``'s — until ``need`` bytes are free; returns the bytes evicted (0 when
-        nothing could be). The simulator stages the same way (``DeviceMemory.make_room``): cached weights are
-        reclaimable memory, not a reason to refuse a lease."""
-        exclude = tuple(t for t in (self.home_of.get(device), keep) if t)
-        # the device's memory and its evictable entries in one round trip (the entries are not needed when it fits)
-        row, entries = await asyncio.gather(self.store.device(device), self.leases_store.unpinned(device, exclude))
-        free = int(float(row.get("limit") or 0)) - int(float(row.get("reserved") or 0))
-        if free >= need:
-            return 0
-        cands = sorted(entries, key=lambda e: self._last_used.get((device, e[0], e[1]), 0.0))
-        if free + sum(n for _, _, n in cands) < need:
-            return 0  # evicting would not make it fit: keep the cache
-        # the least recently used entries that make it fit are evicted together (one round trip); if one of them
-        # was pinned or evicted meanwhile, the next ones in order follow
-        first, total = 0, free
-        while first < len(cands) and total < need:
-            total += cands[first][2]
-            first += 1
-        done = await asyncio.gather(*(self.leases_store.evict(device, t, [seg]) for t, seg, _ in cands[:first]))
-        freed = 0
-        for (tenant, seg, _), res in zip(cands[:first], done):
-            freed += self._evicted(device, tenant, seg, res)
-        for tenant, seg, n in cands[first:]:
-            if free + freed >= need:
-                break
-            freed += self._evicted(device, tenant, seg, await self.leases_store.evict(device, tenant, [seg]))
-        return freed
+    def room(self, device: str) -> Room:
+        """What a commit on ``device`` may evict to fit (a request's KV reservation): weights staged there that no
+        active lease pins, least recently leased first as this scheduler saw them leased, never the device's home
+        tenant's (the GMG's script picks them, :class:`shared.gmg.store.Room`). The simulator admits the same way
+        (``DeviceMemory.make_room``): cached weights are reclaimable memory, not a reason to refuse."""
+        return Room(device, (), self._last_used.get(device, {}))
 
-    def _evicted(self, device: str, tenant: str, seg: str, res: int | Refused) -> int:
-        """Account one eviction's outcome; the bytes it freed (0 when refused: pinned or evicted meanwhile)."""
-        if isinstance(res, Refused):
-            return 0
-        self.evicted += 1
-        self._resident.discard((device, tenant, seg))
-        log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=res, by="scheduler")
-        return res
+    def note_evicted(self, evicted) -> None:
+        """Account the staged weights a commit evicted to make room: ``(device, tenant, segment, bytes)`` each."""
+        for device, tenant, seg, nbytes in evicted:
+            self.evicted += 1
+            self._resident.discard((device, tenant, seg))
+            self._last_used.get(device, {}).pop(f"{tenant}|{seg}", None)
+            log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=nbytes,
+                     by="scheduler")
 
     async def revoke(self, lease_id: str, reason: str, state: str = "revoked") -> bool:
         st = self.active.pop(lease_id, None)
         if st is None:
             return False
         now = time.time()
-        self._last_used.update({(st.guest_device, st.tenant, s): now for s in st.segments})
+        self._last_used.setdefault(st.guest_device, {}).update({f"{st.tenant}|{s}": now for s in st.segments})
         await self.leases_store.close(lease_id, state, reason)
         msg = dict(lease_id=lease_id, tenant=st.tenant, home_device=st.home_device, guest_device=st.guest_device,
                    reason=reason)

@@ -263,10 +263,10 @@ class SchedulerService:
         for dev in ([dev] if dev is not None and dev in self.devices and self.devices[dev].up else []):
             view = self.devices[dev]
             kv = [Reservation(dev, f"kv:{p.req.request_id}", "kv", p.req.tenant, p.kv_bytes)]
-            res = await self.gmg.reserve(kv)
-            if isinstance(res, Refused) and res.reason == "insufficient_memory" \
-                    and await self.lease_mgr.make_room(dev, p.kv_bytes):
-                res = await self.gmg.reserve(kv)  # cached guest weights made way, as the simulator's admission does
+            # cached guest weights make way in the same commit, as the simulator's admission does
+            res = await self.gmg.commit_making_room("reserve", kv, [self.lease_mgr.room(dev)])
+            if not isinstance(res, Refused):
+                self.lease_mgr.note_evicted(res.evicted)
             if isinstance(res, Refused):
                 if res.reason == "duplicate":  # reserved before a restart: reuse it
                     pass

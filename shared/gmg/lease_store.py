@@ -7,14 +7,16 @@
   (nothing changed) if the memory does not fit, the id exists, or a segment's weights are not resident.
 * Close (revoke, expire, release): frees the reservation, deletes the lease hash and its zset entry and unpins, in
   one script guarded on the lease still being active, so closing twice changes nothing.
-* Eviction of staged weights is refused while an active lease pins them.
+* Eviction of staged weights is refused while an active lease pins them. A lease commit may evict cached
+  (unpinned) staged weights on the guest in the same script to fit (:meth:`LeaseStore.commit_making_room`).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shared.gmg.store import GMGStore, Refused, Reservation
+from shared.gmg.store import Committed, GMGStore, Refused, Reservation, Room
 
 LEASE_STATES = ("active", "revoked", "expired", "released")
 
@@ -67,6 +69,21 @@ class LeaseStore:
         """Commit ``lease`` atomically; returns the epoch or a clean :class:`Refused`. ``stage`` (segment ->
         bytes) stages those of its segments in the same commit (as :meth:`stage` would: refused with
         ``already_resident`` if one of them is resident there already); the others must be resident."""
+        res = await self._commit(lease, require_resident, stage, None)
+        return res if isinstance(res, Refused) else res.epoch
+
+    async def commit_making_room(self, lease: Lease, recency: Mapping[str, float] | None = None, *,
+                                 require_resident: bool = True, stage: dict[str, int] | None = None
+                                 ) -> Committed | Refused:
+        """:meth:`commit`, evicting on the guest, in the same script, the cached weights it needs the memory of:
+        staged weights no active lease pins, least recently leased first by ``recency`` (``"tenant|segment"`` ->
+        time; unlisted ones first), never the guest's home tenant's nor the lease's tenant's. Refused with
+        nothing evicted when even evicting all of them would not make it fit (:class:`shared.gmg.store.Room`)."""
+        return await self._commit(lease, require_resident, stage,
+                                  Room(lease.guest, (lease.tenant,), recency or {}))
+
+    async def _commit(self, lease: Lease, require_resident: bool, stage: dict[str, int] | None,
+                      room: Room | None) -> Committed | Refused:
         if lease.end_ts <= lease.start_ts or not lease.segments or any("," in s for s in lease.segments):
             return Refused("invalid", lease.guest, "empty window, no segments or a ',' in a segment name")
         k, b = self.keys, self.store.batch()
@@ -85,7 +102,8 @@ class LeaseStore:
         for s in lease.segments:
             b.add("hincrby", k.pins(lease.guest), f"{lease.tenant}|{s}", 1)
         items.append(Reservation(lease.guest, lease_owner(lease.lease_id), "lease", lease.tenant, lease.nbytes))
-        res = await self.store.commit("lease_commit", items, guards=guards, batch=b)
+        res = await self.store.commit_making_room("lease_commit", items, [room] if room else [], guards=guards,
+                                                  batch=b)
         if isinstance(res, Refused) and res.reason == "conflict":
             if res.device == "state":
                 return Refused("lease_exists", lease.guest, lease.lease_id)

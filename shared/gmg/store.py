@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import msgspec
 import redis.asyncio as aioredis
@@ -57,6 +58,26 @@ class Refused:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class Room:
+    """Lets a commit make room on ``device``: where its items do not fit, the same script first evicts weights
+    staged there that no active lease pins, least recently leased first (``recency``: ``"tenant|segment"`` -> when
+    last leased; entries it does not list count as oldest), never the device's home tenant's nor ``keep``'s, until
+    they fit; when even all of them would not make room, the commit is refused and nothing is evicted."""
+
+    device: str
+    keep: tuple[str, ...] = ()
+    recency: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A commit made with :class:`Room` s: its epoch and the staged weights it evicted to fit."""
+
+    epoch: int
+    evicted: tuple[tuple[str, str, str, int], ...] = ()  # (device, tenant, segment, bytes freed)
+
+
 _APPLY, _COMMIT, _RELEASE = LuaScript(APPLY_SCRIPT), LuaScript(COMMIT), LuaScript(RELEASE)
 
 Guard = tuple[str, str, tuple[str, ...]]  # (hash key, field, accepted values: '' = missing, '*' = any present)
@@ -91,6 +112,14 @@ class GMGStore:
     async def commit(self, op: str, items: list[Reservation | Resize], *, guards: list[Guard] = (),
                      batch: MutationBatch | None = None) -> int | Refused:
         """Reserve/resize ``items``, check ``guards`` and apply ``batch``, all or nothing; epoch or Refused."""
+        res = await self.commit_making_room(op, items, (), guards=guards, batch=batch)
+        return res if isinstance(res, Refused) else res.epoch
+
+    async def commit_making_room(self, op: str, items: list[Reservation | Resize], rooms: list[Room], *,
+                                 guards: list[Guard] = (), batch: MutationBatch | None = None) -> Committed | Refused:
+        """:meth:`commit`, evicting cached staged weights on the devices of ``rooms`` where the items do not fit
+        otherwise (see :class:`Room`) — in the same script, so one round trip grants or refuses with nothing
+        changed; returns what it evicted."""
         b = batch or self.batch()
         spec_items = []
         for r in items:
@@ -102,11 +131,16 @@ class GMGStore:
             else:
                 spec_items.append(["resize", dk, rk, r.owner, "", "", str(int(r.nbytes)), r.device])
         spec_guards = [[b.key_index(k), f, *acc] for k, f, acc in guards]
-        spec = msgspec.msgpack.encode([spec_items, spec_guards, b.muts, f"{time.time():.6f}"])
+        k = self.keys
+        spec_rooms = [[b.key_index(k.device(r.device)), b.key_index(k.resident(r.device)),
+                       b.key_index(k.pins(r.device)), b.key_index(k.reservations(r.device)), list(r.keep),
+                       {f: float(t) for f, t in r.recency.items()}, r.device] for r in rooms]
+        spec = msgspec.msgpack.encode([spec_items, spec_guards, b.muts, f"{time.time():.6f}", spec_rooms])
         ok, reason, a, c = await self._eval(_COMMIT, b.keys, [op, spec, CHANGES_MAXLEN, *b.blobs])
-        if int(ok) == 1:
-            return int(a)
-        return Refused(_s(reason), _s(a), _s(c))
+        if int(ok) != 1:
+            return Refused(_s(reason), _s(a), _s(c))
+        evicted = tuple((_s(d), _s(t), _s(g), int(n)) for d, t, g, n in msgspec.msgpack.decode(c)) if c else ()
+        return Committed(int(a), evicted)
 
     async def release_many(self, op: str, owners: list[tuple[str, str]], *, guards: list[Guard] = (),
                            batch: MutationBatch | None = None) -> tuple[int, int] | Refused:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from shared.config import parse_cluster, parse_tenants
-from shared.gmg import GMGStore, Refused, Reservation
+from shared.gmg import Committed, GMGStore, Refused, Reservation, Room
 from shared.gmg.follower import read_mirror
 from shared.gmg.lease_store import Lease, LeaseStore
 from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
@@ -122,3 +122,103 @@ async def test_stage_and_lease_in_one_commit_all_or_nothing(redis, prefix):
     r = await leases.commit(_lease("L2", 1, segs=("mlp[0]",)), stage={"mlp[0]": 4000})
     assert isinstance(r, Refused) and r.reason == "already_resident" and r.detail == "a|mlp[0]"
     assert await _state(redis, store) == before
+
+
+# ---------------------------------------------------------------- a commit that makes room (one script)
+CLUSTER3 = parse_cluster({"cluster": {"headroom_fraction": 0.1},
+                          "devices": [{"id": d, "backend": "emulated", "memory_bytes": 10_000}
+                                      for d in ("g0", "h0", "h1")]})
+TENANTS3 = parse_tenants({"tenants": [
+    {"name": "a", "model": "tiny", "sla": {"ttft_ms": 1, "tpot_ms": 1}, "home_devices": ["h0"]},
+    {"name": "b", "model": "tiny", "sla": {"ttft_ms": 1, "tpot_ms": 1}, "home_devices": ["g0"]},
+    {"name": "c", "model": "tiny", "sla": {"ttft_ms": 1, "tpot_ms": 1}, "home_devices": ["h1"]}]})
+
+
+async def _setup3(redis, prefix) -> tuple[GMGStore, LeaseStore]:
+    store = GMGStore(redis, prefix)
+    await store.register_cluster(CLUSTER3, TENANTS3)
+    # g0 is b's home: its worker holds b's weights (as services/worker does), 1000 bytes of the 9000 limit
+    assert isinstance(await store.reserve([Reservation("g0", "weights:b:home", "weights", "b", 1000)]), int)
+    return store, LeaseStore(store)
+
+
+async def _replayed(redis, store, before_mirror) -> tuple[str, dict]:
+    """(op, the mirror ``before_mirror`` with the change stream's last entry replayed): what a follower computes."""
+    import copy
+
+    from shared.gmg.mutations import apply_mutation, decode_change
+
+    mirror = copy.deepcopy(before_mirror)
+    (_, fields), = await redis.xrevrange(store.keys.changes, "+", "-", count=1)
+    _, op, muts = decode_change(fields)
+    for cmd, key, args in muts:
+        apply_mutation(mirror, cmd, key, args)
+    return op, mirror
+
+
+async def test_commit_evicts_least_recently_leased_cached_weights_to_fit(redis, prefix):
+    store, leases = await _setup3(redis, prefix)
+    k = store.keys
+    assert isinstance(await leases.stage("g0", "c", {"mlp[0]": 2000, "mlp[1]": 2000, "mlp[2]": 2000}), int)
+    # reserved 7000 of 9000; a's lease stages 3500 and holds 1000: 2500 short. mlp[1] is not in the recency
+    # (never leased by this scheduler: oldest), then mlp[0] (2.0) before mlp[2] (3.0)
+    before_m, before_e = await _state(redis, store)
+    res = await leases.commit_making_room(_lease("L1", 1000), {"c|mlp[0]": 2.0, "c|mlp[2]": 3.0},
+                                          stage={"mlp[0]": 3500})
+    assert isinstance(res, Committed) and res.epoch == before_e + 1  # one script, one epoch
+    assert res.evicted == (("g0", "c", "mlp[1]", 2000), ("g0", "c", "mlp[0]", 2000))
+    assert (await store.device("g0"))["reserved"] == str(7000 - 4000 + 3500 + 1000)
+    owners = set(await store.reservations("g0"))
+    assert owners == {"weights:b:home", "weights:c:mlp[2]", "weights:a:mlp[0]", "lease:L1"}
+    m, _ = await _state(redis, store)
+    assert not {"c|mlp[0]", "c|mlp[1]"} & set(m[k.resident("g0")]) and "c|mlp[2]" in m[k.resident("g0")]
+    assert m[k.pins("g0")] == {"a|mlp[0]": "1"}
+    # a follower replaying the one change entry gets the same GMG (evictions included)
+    op, replayed = await _replayed(redis, store, before_m)
+    assert op == "lease_commit" and replayed == m
+    # a commit that fits evicts nothing
+    assert (await leases.commit_making_room(_lease("L2", 100), {})).evicted == ()
+
+
+async def test_commit_never_evicts_pinned_home_or_own_weights_and_a_refusal_changes_nothing(redis, prefix):
+    store, leases = await _setup3(redis, prefix)
+    k = store.keys
+    # c's mlp[0] is pinned by an active lease; a's own mlp[1] is cached; c's mlp[1] is cached (evictable);
+    # a weights reservation of the home tenant named like a staged one is not evicted either
+    assert isinstance(await leases.stage("g0", "c", {"mlp[0]": 2000, "mlp[1]": 1000}), int)
+    assert isinstance(await leases.stage("g0", "a", {"mlp[1]": 1000}), int)
+    assert isinstance(await leases.commit(Lease("P", "c", "g0", ("mlp[0]",), 100.0, 200.0, 500)), int)
+    assert isinstance(await store.reserve([Reservation("g0", "weights:b:mlp[0]", "weights", "b", 2000)]), int)
+    assert (await store.device("g0"))["reserved"] == "7500"
+    before = await _state(redis, store)
+    # needs 3000 (short 1500): only c|mlp[1] (1000) may go: refused, nothing evicted, not even the epoch bumped
+    r = await leases.commit_making_room(_lease("L1", 1000), {}, stage={"mlp[0]": 2000})
+    assert isinstance(r, Refused) and r.reason == "insufficient_memory" and r.detail == "1500"
+    assert await _state(redis, store) == before
+    # a refusal on a guard comes first: nothing evicted either
+    r = await leases.commit_making_room(_lease("P", 1000), {}, stage={"mlp[0]": 2000})
+    assert isinstance(r, Refused) and r.reason == "lease_exists" and await _state(redis, store) == before
+    # needs 2500 (short 1000): c|mlp[1] goes, the pinned, home and own weights stay
+    res = await leases.commit_making_room(_lease("L1", 500), {}, stage={"mlp[0]": 2000})
+    assert isinstance(res, Committed) and res.evicted == (("g0", "c", "mlp[1]", 1000),)
+    owners = set(await store.reservations("g0"))
+    assert {"weights:c:mlp[0]", "weights:a:mlp[1]", "weights:b:mlp[0]", "weights:b:home", "lease:P"} <= owners
+    resident = set((await _state(redis, store))[0][k.resident("g0")])
+    assert {"c|mlp[0]", "a|mlp[1]", "b|mlp[0]"} <= resident and "c|mlp[1]" not in resident
+    assert (await store.device("g0"))["reserved"] == "9000"
+
+
+async def test_kv_reservation_makes_room_keeping_the_keep_tenants_weights(redis, prefix):
+    store, leases = await _setup3(redis, prefix)
+    assert isinstance(await leases.stage("g0", "a", {"mlp[0]": 3000}), int)
+    assert isinstance(await leases.stage("g0", "c", {"mlp[0]": 3000}), int)
+    kv = [Reservation("g0", "kv:r1", "kv", "a", 3000)]
+    before = await _state(redis, store)
+    # keep a and c: nothing may go
+    r = await store.commit_making_room("reserve", kv, [Room("g0", ("a", "c"))])
+    assert isinstance(r, Refused) and r.reason == "insufficient_memory" and await _state(redis, store) == before
+    # without a room the commit is refused as before; with one keeping a, c's weights make way
+    assert isinstance(await store.reserve(kv), Refused)
+    res = await store.commit_making_room("reserve", kv, [Room("g0", ("a",), {"c|mlp[0]": 1.0})])
+    assert isinstance(res, Committed) and res.evicted == (("g0", "c", "mlp[0]", 3000),)
+    assert set(await store.reservations("g0")) == {"weights:b:home", "weights:a:mlp[0]", "kv:r1"}

@@ -1,5 +1,6 @@
 """Property test of GMG memory safety: random sequences of admissions, KV growth and shrink, releases, weight
-staging and eviction, lease commits and closes, checked against a model after every step. No device ever exceeds
+staging and eviction, lease commits (also ones that evict cached weights to fit) and closes, checked against a
+model after every step. No device ever exceeds
 capacity - headroom, the store refuses exactly when the model says it must, and every refusal is clean: the
 store (every reservation, pin, residency entry and the epoch) is unchanged after it."""
 from __future__ import annotations
@@ -50,6 +51,8 @@ class GMGMachine(RuleBasedStateMachine):
         self.pins: dict[tuple[str, str, str], int] = {}
         self.active: dict[str, Lease] = {}
         self.n = 0
+        self.recency: dict[tuple[str, str, str], int] = {}  # staged entry -> when last staged or leased (unique)
+        self.clock = 0
 
     def teardown(self):
         if hasattr(self, "redis"):
@@ -60,6 +63,11 @@ class GMGMachine(RuleBasedStateMachine):
 
     def used(self, d: str) -> int:
         return sum(self.res[d].values())
+
+    def touch(self, entries) -> None:
+        for e in entries:
+            self.clock += 1
+            self.recency[e] = self.clock
 
     def state(self):
         k, pipe = self.store.keys, self.redis.pipeline(transaction=False)
@@ -125,6 +133,7 @@ class GMGMachine(RuleBasedStateMachine):
             for s in segs:
                 self.staged.add((dev, tenant, s))
                 self.res[dev][f"weights:{tenant}:{s}"] = size
+            self.touch((dev, tenant, s) for s in segs)
 
     @rule(dev=st.sampled_from(DEVS), tenant=st.sampled_from("ab"), seg=st.sampled_from(SEGS))
     def evict(self, dev, tenant, seg):
@@ -153,6 +162,62 @@ class GMGMachine(RuleBasedStateMachine):
             for s in lease.segments:
                 self.pins[(guest, tenant, s)] = self.pins.get((guest, tenant, s), 0) + 1
 
+    @rule(data=st.data(), tenant=st.sampled_from("ab"), segs=st.sets(st.sampled_from(SEGS), min_size=1, max_size=2),
+          ssize=st.integers(min_value=1, max_value=3000), listed=st.booleans())
+    def commit_lease_making_room(self, data, tenant, segs, ssize, listed):
+        """A lease commit staging its missing segments, which may evict the guest's cached weights (staged, not
+        the lease's tenant's, unpinned), least recently staged or leased first, to fit; refused unchanged if
+        even all of them would not make it fit. The guest is mostly one holding another tenant's staged weights
+        and the lease's size around what fits without evicting. ``listed``: pass the recency (else every entry
+        ties; then only the bytes freed are predictable, not which entries go)."""
+        self.n += 1
+        others = sorted({d for d, t, _ in self.staged if t != tenant})
+        guest = data.draw(st.sampled_from(others) if others else st.sampled_from(DEVS))
+        lease_segs = tuple(sorted(segs))
+        stage = {s: ssize for s in lease_segs if (guest, tenant, s) not in self.staged | HOME}
+        cands = sorted((e for e in self.staged if e[0] == guest and e[1] != tenant and not self.pins.get(e, 0)),
+                       key=self.recency.__getitem__)
+        nbytes = {e: self.res[guest][f"weights:{e[1]}:{e[2]}"] for e in cands}
+        room = LIMIT - self.used(guest) - ssize * len(stage)
+        size = max(0, room + data.draw(st.integers(min_value=-500, max_value=sum(nbytes.values()) + 500)))
+        lease = Lease(f"L{self.n}", tenant, guest, lease_segs, 1.0, 2.0, size)
+        short = size - room
+        fits = short <= 0 or sum(nbytes.values()) >= short
+        recency = {f"{t}|{s}": float(self.recency[(d, t, s)]) for d, t, s in self.staged if d == guest} \
+            if listed else {}
+        before = self.last
+        res = self.run(self.leases.commit_making_room(lease, recency, stage=stage))
+        self.expect(res, None if fits else "insufficient_memory", before)
+        if not fits:
+            return
+        evicted = {(d, t, s) for d, t, s, _ in res.evicted}
+        assert all(n == nbytes[(d, t, s)] for d, t, s, n in res.evicted)
+        freed = sum(nbytes[e] for e in evicted)
+        assert evicted <= set(cands) and freed >= max(short, 0)
+        if short <= 0:
+            assert not evicted
+        elif listed:  # the least recent ones, just enough
+            want, got = [], 0
+            for e in cands:
+                if got >= short:
+                    break
+                want.append(e)
+                got += nbytes[e]
+            assert evicted == set(want)
+        else:  # in some order, none beyond the one that made it fit
+            assert any(freed - nbytes[e] < short for e in evicted)
+        for d, t, s in evicted:
+            self.staged.discard((d, t, s))
+            self.res[d].pop(f"weights:{t}:{s}")
+        for s, n in stage.items():
+            self.staged.add((guest, tenant, s))
+            self.res[guest][f"weights:{tenant}:{s}"] = n
+        self.active[lease.lease_id] = lease
+        self.res[guest][f"lease:{lease.lease_id}"] = size
+        for s in lease.segments:
+            self.pins[(guest, tenant, s)] = self.pins.get((guest, tenant, s), 0) + 1
+        self.touch((guest, tenant, s) for s in lease.segments if (guest, tenant, s) in self.staged)
+
     @rule(data=st.data(), state=st.sampled_from(["revoked", "expired", "released"]))
     def close_lease(self, data, state):
         if not self.active:
@@ -164,6 +229,8 @@ class GMGMachine(RuleBasedStateMachine):
         self.res[lease.guest].pop(f"lease:{lid}")
         for s in lease.segments:
             self.pins[(lease.guest, lease.tenant, s)] -= 1
+        self.touch((lease.guest, lease.tenant, s) for s in lease.segments
+                   if (lease.guest, lease.tenant, s) in self.staged)
 
     # ------------------------------------------------------------ invariants
     @invariant()
@@ -176,6 +243,12 @@ class GMGMachine(RuleBasedStateMachine):
             total = sum(int(v.decode().split("|")[2]) for v in rows.values())
             assert reserved == total == self.used(d) <= LIMIT
             assert {k.decode() for k in rows} == set(self.res[d])
+            resident, pins = st_[3 + 5 * i], st_[4 + 5 * i]
+            home = {"d0": "a", "d1": "b"}.get(d)  # a home holds every segment of its tenant, SEGS among them
+            assert {k.decode() for k in resident if not k.decode().startswith(f"{home}|")} == {
+                f"{t}|{s}" for dd, t, s in self.staged if dd == d}
+            assert {k.decode(): int(v) for k, v in pins.items() if int(v)} == {
+                f"{t}|{s}": n for (dd, t, s), n in self.pins.items() if dd == d and n}
 
 
 @pytest.mark.parametrize("examples", [

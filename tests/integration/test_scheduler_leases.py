@@ -8,7 +8,7 @@ import pytest
 from services.scheduler.policy_bridge import LeaseManager
 from shared.codec import decode
 from shared.config import parse_cluster, parse_tenants
-from shared.gmg import GMGStore, Reservation
+from shared.gmg import GMGStore, Refused, Reservation
 from shared.gmg.lease_store import LeaseStore
 from shared.messages import LeaseGranted, WorkerMsg, worker_stream
 from shared.policies import GrantLease, RevokeLease
@@ -27,6 +27,16 @@ TENANTS = parse_tenants({"tenants": [
 
 def _grant(guest: str, segs=("mlp[0]", "mlp[1]"), memory: int = 1 << 20) -> GrantLease:
     return GrantLease("a", "h0", guest, tuple(segs), 30.0, 0.5, memory)
+
+
+async def _gmg_state(redis, store, device: str) -> list:
+    """Everything a commit on ``device`` could change: the epoch, its row, reservations, residency and pins."""
+    k = store.keys
+    pipe = redis.pipeline(transaction=False)
+    pipe.get(k.epoch)
+    for key in (k.device(device), k.reservations(device), k.resident(device), k.pins(device)):
+        pipe.hgetall(key)
+    return await pipe.execute()
 
 
 async def _granted(redis, prefix, device: str) -> list[LeaseGranted]:
@@ -104,14 +114,25 @@ async def test_cached_weights_of_ended_leases_are_evicted_to_make_room(redis, pr
     left = {(t, s) for t, s, _ in await ls.unpinned("g0", ("b",))}
     assert ("a", "mlp[0]") not in left  # the least recently leased one went first
     assert "weights:a:mlp[2]" in await store.reservations("g0")  # the active lease's weights stayed
-    # nothing evictable can make a huge lease fit: refused, and the cache is kept
-    assert await mgr.make_room("g0", 1 << 40) == 0 and ("c", "mlp[1]") in {
-        (t, s) for t, s, _ in await ls.unpinned("g0", ("b",))}
+    # a grant that evicting every cached segment would not make fit: refused, the cache kept, nothing changed
+    row = await store.device("g0")
+    free = int(row["limit"]) - int(row["reserved"])
+    assert isinstance(await store.reserve([Reservation("g0", "kv:filler2", "kv", "b", free)]), int)
+    before = await _gmg_state(redis, store, "g0")
+    assert await mgr.grant(GrantLease("a", "h0", "g0", ("mlp[1]",), 30.0, 0.5, 1 << 20), now=111.0) is None
+    assert mgr.refused == 1 and mgr.evicted == 1 and await _gmg_state(redis, store, "g0") == before
+    assert ("c", "mlp[1]") in {(t, s) for t, s, _ in await ls.unpinned("g0", ("b",))}
     # the snapshot's evictable bytes: unpinned staged weights, home tenant left out
     k = store.keys
     res, pins = await redis.hgetall(k.resident("g0")), await redis.hgetall(k.pins("g0"))
     assert sum(n for _, _, n in unpinned_entries(res, pins, ("b",))) == sum(
         n for _, _, n in await ls.unpinned("g0", ("b",))) > 0
+    # a request's KV reservation makes room the same way (the scheduler's admission: LeaseManager.room)
+    res = await store.commit_making_room("reserve", [Reservation("g0", "kv:r1", "kv", "b", 4096)], [mgr.room("g0")])
+    assert not isinstance(res, Refused) and [e[:3] for e in res.evicted] == [("g0", "c", "mlp[1]")]
+    mgr.note_evicted(res.evicted)
+    assert mgr.evicted == 2 and ("g0", "c", "mlp[1]") not in mgr._resident
+    assert "kv:r1" in await store.reservations("g0") and "weights:c:mlp[1]" not in await store.reservations("g0")
 
 
 async def test_the_gmg_lease_record_keeps_the_grants_mode_and_share(redis, prefix):

@@ -131,7 +131,7 @@ class Twin:
     def work_of(self, snap: GMGSnapshot, did: str, now: float, rates: dict[str, float]) -> DeviceWork:
         """One device's work (see :meth:`device_work`)."""
         dev = snap.devices[did]
-        tenant = self.configured(dev.home_tenant)
+        tenant = self.configured(dev.home_tenant) or ""
         cost = self.cost(tenant, did) if tenant else None
         mi, mo = self.means(tenant) if tenant else (0.0, 0.0)
         kvpt = self.tenants.get(tenant).model.config.kv_bytes_per_token() if tenant else 0

@@ -56,7 +56,10 @@ def test_sigterm_stops_the_benchs_private_redis(tmp_path):
             proc.kill()
             pytest.fail(f"the bench never started its redis-server (children {kids}, {status}, exit {proc.wait()}): "
                         f"{proc.stderr.read()[-2000:]}")
-        time.sleep(2.0)  # well into the run (the simulator service is up, queries are flowing)
+        deadline = time.monotonic() + 60  # well into the run: the simulator service is up too (slow on a busy machine)
+        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(1.0)  # queries are flowing
         started = _children(proc.pid)
         assert len(started) >= 2, started  # redis-server and the simulator service
         proc.send_signal(signal.SIGTERM)

@@ -121,6 +121,8 @@ def policy_table(res: Mapping[str, Any]) -> list[str]:
 def containers_lines(res: Mapping[str, Any]) -> list[str]:
     """Which partition every policy started from."""
     c = res.get("containers") or {}
+    if isinstance(c, str):  # a JSON written before containers were recorded as a mapping
+        c = {"mode": c}
     mode = c.get("mode", "homes")
     if mode == "plan":
         dev = c.get("devices") or {}

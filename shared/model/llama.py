@@ -115,7 +115,7 @@ class LlamaModel:
         # RoPE angles are computed per batch from the positions (as transformers does), not kept as a
         # [max_position, head_dim] table: for a 128k-context model that table and its float32 temporaries
         # would cost hundreds of MB at start-up
-        self._inv = rope_inv_freq(cfg).to(self.device)
+        self._inv: Tensor | None = None  # RoPE inverse frequencies, computed on the first forward (not at load)
 
     @classmethod
     def partial(cls, cfg: ModelConfig, segments: Iterable[str], device: str | torch.device = "cpu") -> "LlamaModel":
@@ -281,6 +281,8 @@ class LlamaModel:
         qkv = qkv.view(t, nh + 2 * kvh, hd)
         cos = ctx.rope.get("cos")
         if cos is None:
+            if self._inv is None:
+                self._inv = rope_inv_freq(self.cfg).to(self.device)
             freqs = torch.outer(ctx.positions.to(torch.float32), self._inv)
             cos = ctx.rope["cos"] = torch.cat([freqs, freqs], dim=-1).cos().to(self.dtype).unsqueeze(1)
             ctx.rope["sin"] = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype).unsqueeze(1)  # sign folded in

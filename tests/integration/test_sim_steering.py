@@ -10,7 +10,7 @@ import random
 import pytest
 from prometheus_client import generate_latest
 
-from shared.config import Settings, parse_cluster, parse_tenants
+from shared.config import Settings
 from shared.gmg import GMGStore
 from shared.messages import SegmentStat, StepReport, events_stream, requests_stream, sim_steering_key
 from shared.policies import GrantLease
@@ -20,13 +20,10 @@ from services.scheduler.service import SchedulerService
 from services.simulator.service import SimulatorService
 from bench.synthetic_state import write_synthetic_state
 
+from support.sim_pair import CLUSTER, TENANTS
+
 pytestmark = pytest.mark.integration
 
-CLUSTER = parse_cluster({"devices": [{"id": f"c{i}", "backend": "cpu", "memory_bytes": 256 << 20}
-                                     for i in range(3)]})
-TENANTS = parse_tenants({"tenants": [
-    {"name": "a", "model": "tiny", "sla": {"ttft_ms": 2000, "tpot_ms": 100}, "home_devices": ["c0"]},
-    {"name": "b", "model": "tiny", "sla": {"ttft_ms": 2000, "tpot_ms": 100}, "home_devices": ["c1"]}]})
 
 
 def _gauge(svc: SchedulerService, name: str) -> float:

@@ -165,9 +165,10 @@ class Twin:
             pinned = {k for k, n in snap.pins.get(did, {}).items() if n > 0}
             staged = {k: n for k, n in snap.resident.get(did, {}).items() if k[0] != d.home_tenant}
             queued = w.queued if w else d.queued
+            home = self.configured(d.home_tenant)
             devices[did] = DeviceState(
                 id=did, kind=d.kind, host=d.host, capacity_bytes=d.capacity, headroom_bytes=d.headroom,
-                home_tenant=self.configured(d.home_tenant), tenants=[t for t in [self.configured(d.home_tenant)] if t],
+                home_tenant=home, tenants=[home] if home else [],
                 used_bytes=d.reserved, kv_bytes=snap.reserved_by_kind(did).get("kv", 0),
                 staged_bytes=sum(staged.values()), evictable_bytes=sum(n for k, n in staged.items() if k not in pinned),
                 queued=queued, running=len(seqs), queued_prefill_tokens=int(queued * (w.mean_input if w else 0)),

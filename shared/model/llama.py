@@ -285,7 +285,8 @@ class LlamaModel:
                 self._inv = rope_inv_freq(self.cfg).to(self.device)
             freqs = torch.outer(ctx.positions.to(torch.float32), self._inv)
             cos = ctx.rope["cos"] = torch.cat([freqs, freqs], dim=-1).cos().to(self.dtype).unsqueeze(1)
-            ctx.rope["sin"] = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype).unsqueeze(1)  # sign folded in
+            sin = freqs.sin()
+            ctx.rope["sin"] = torch.cat([-sin, sin], dim=-1).to(self.dtype).unsqueeze(1)  # sign folded in
         sin = ctx.rope["sin"]
         qk = qkv[:, :nh + kvh]
         if "q_norm" in w:  # Qwen3: RMSNorm over each head of q and of k, before RoPE

@@ -211,6 +211,9 @@ def test_restarts_follow_the_config(tmp_path, capsys):
         removed = {st for k, st in states.items() if r.hget(k, "tenant") == b"nu"}
         assert removed and removed <= {"failed", "rejected"}, states  # the removed tenant's requests end in errors
         assert _reconciled(data)[-1]["removed_tenants"] == "nu"
+        deadline = time.monotonic() + 15  # a request ends (terminal state) before the scheduler sees its finish
+        while any(r.scard(k) for k in _keys(r, f"{p}sched:assigned:*")) and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert all(not r.scard(k) for k in _keys(r, f"{p}sched:assigned:*"))
         _only_configured(mesh, capsys, {"m": "cpu0", "c": "cpu1"})
         deadline = time.monotonic() + 15  # the killed gateway's tokens stream expires (heartbeat-based)

@@ -71,6 +71,7 @@ class SlicePolicy(Policy):
         self._prefill_cost: dict[tuple[int, str], float] = {}
         self._last_seek: dict[str, float] = {}
         self._extra: list[GrantLease] = []
+        self._closed: set[str] = set()  # "sequences" leases whose lane is too slow for new requests now
         self._iter_of: dict[str, tuple] = {}  # device -> (what its own iteration was computed from..., cost, it, p)
 
     @property
@@ -101,7 +102,7 @@ class SlicePolicy(Policy):
         home = snapshot.devices[best]
         best_wait = (home.queued_prefill_tokens + input_tokens) * self._per_token(model, home.kind)
         for lease in snapshot.leases_of(tenant):
-            if lease.mode != "sequences" or lease.state != "active":
+            if lease.mode != "sequences" or lease.state != "active" or lease.id in self._closed:
                 continue
             g = snapshot.devices[lease.guest_device]
             ge = g.guest_engines.get(tenant)
@@ -144,6 +145,7 @@ class SlicePolicy(Policy):
                     out.append(g)
                     out += self._take_extra()
         elif trigger.kind == "tick":
+            self._close_slow_lanes(snapshot, whatif)
             hosts = {lease.guest_device for lease in snapshot.leases.values()}
             for did in hosts:
                 out += self._protect(snapshot.devices[did], snapshot, whatif)
@@ -181,11 +183,29 @@ class SlicePolicy(Policy):
                 continue
             home = snapshot.devices[lease.home_device]
             g = snapshot.devices[lease.guest_device]
+            if lease.id in self._closed:
+                continue  # its lane is too slow now: let it drain and end
             busy_lane = lease.mode == "sequences" and (g.guest_engines.get(lease.tenant, (0, 0, True))[1] > 0)
             if busy_lane or (home.home_tenant == lease.tenant and self._behind(home, snapshot, whatif)):
                 dur = self.cfg.sequence_lease_s if lease.mode == "sequences" else self.cfg.lease_s
                 out.append(ExtendLease(lease.id, dur))
         return out
+
+    def _close_slow_lanes(self, snapshot: ClusterSnapshot, whatif: Any) -> None:
+        """Close to new requests (and stop extending) every "sequences" lease whose lane's predicted TPOT, with
+        one more sequence, is past ``guest_margin`` × its tenant's target: the guest's own tenant has come back
+        since the grant, and every token of a lane then waits for one of its iterations too."""
+        closed = set()
+        margin = self.cfg.guest_margin
+        for lease in snapshot.leases.values():
+            if lease.mode != "sequences" or lease.state != "active":
+                continue
+            t = snapshot.tenants[lease.tenant]
+            g = snapshot.devices[lease.guest_device]
+            n = g.guest_engines.get(lease.tenant, (0, 0, True))[0] + 1
+            if whatif.lane_tpot(snapshot, t, g, lease.share, n) > margin * t.sla.tpot_ms / 1e3:
+                closed.add(lease.id)
+        self._closed = closed
 
     def _own_latency(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any, share: float) -> tuple[float, float]:
         t = snapshot.tenants[d.home_tenant]  # type: ignore[index]

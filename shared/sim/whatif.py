@@ -22,6 +22,8 @@ from shared.policies.actions import GrantLease
 from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
 from shared.costmodel.offload import OffloadPart, micro_batch_parts, offloaded_iteration_time
 
+LANE_BATCH = 16  # sequences a lane is assumed to decode at once when a lease is priced
+
 
 @dataclass(frozen=True)
 class WhatIfParams:
@@ -264,15 +266,7 @@ class WhatIf:
         ttft_before, _ = self.tenant_latency(hcost, home, ten, snap.now, base_s, p)
         ttft = ttft_before * (1.0 - frac)
         breaks: list[str] = []
-        typical = int(ten.mean_input) if ten.mean_input > 0 else 1024
-        a, c, _ = gcost.decode_line(16)
-        lane_it = a + c * 16 * (typical + ten.mean_output / 2)
-        lane_tpot = lane_it / max(cand.share, 1e-6)
-        if own_active and guest.home_tenant is not None:
-            # while the guest's own tenant decodes, a lane iteration runs at most once between two of its own
-            # (the guest's TPOT), so a lane token waits for one of those too, whatever the share
-            own_it, *_ = self.device_iteration(self.cost(snap.tenants[guest.home_tenant], guest.kind), guest)
-            lane_tpot = max(lane_tpot, lane_it + own_it)
+        lane_tpot = self.lane_tpot(snap, ten, guest, cand.share)
         if lane_tpot > prm.guest_margin * ten.sla.tpot_ms / 1000.0:
             breaks.append("lease_tpot")  # the tenant's own sequences would be too slow on the guest's share
         g_ttft, g_tpot, kv_need = self._guest_side(snap, guest, cand.share, horizon_s, breaks)
@@ -291,6 +285,37 @@ class WhatIf:
               ((home.id, 1.0 if home.outstanding else 0.0), (guest.id, min(1.0, g_eff + (1 - g_eff) * own_active))))
         return WhatIfResult(cand, base_s, base_s * (1.0 - frac), frac, ttft, lane_tpot, ttft_before, g_ttft, g_tpot,
                             peak, tl, breaks)
+
+    def lane_tpot(self, snap: ClusterSnapshot, ten: TenantState, guest: DeviceState, share: float,
+                  batch: int = LANE_BATCH) -> float:
+        """Predicted TPOT of ``ten``'s sequences in a lane on ``guest`` holding ``share`` of it, ``batch`` of them
+        decoding. While the guest's own tenant decodes, a lane iteration runs at most once between two of its own
+        (the guest's TPOT), so a lane token waits for one of those too, whatever the share. A guest tenant idle at
+        this instant but with arrivals in the last 30 s counts as decoding one typical request: it will be back
+        within the lane's life (a lease granted in a gap of a steady tenant ran its lane at twice the target)."""
+        gcost = self.cost(ten, guest.kind)
+        typical = int(ten.mean_input) if ten.mean_input > 0 else 1024
+        n = max(1, batch)
+        a, c, _ = gcost.decode_line(n)
+        lane_it = a + c * n * (typical + ten.mean_output / 2)
+        out = lane_it / max(share, 1e-6)
+        if guest.home_tenant is None:
+            return out
+        gten = snap.tenants[guest.home_tenant]
+        gown = self.cost(gten, guest.kind)
+        own_in = int(gten.mean_input) if gten.mean_input > 0 else 1024
+        if guest.busy or guest.outstanding > 0:
+            own_it = self.device_iteration(gown, guest)[0]
+        elif gten.rate_rps > 0:
+            a1, c1, _ = gown.decode_line(1)
+            own_it = a1 + c1 * (own_in + gten.mean_output / 2)
+        else:
+            return out
+        # and nothing runs in a lane while the guest's own tenant prefills: the share of the device its prompts take
+        chunk = self.params.max_batched_tokens
+        prefill_s = self._cached(("prefill", id(gown), own_in), lambda: gown.prefill_time(own_in, chunk))
+        prefill_busy = min(0.9, gten.rate_rps / max(1, len(gten.home_devices)) * prefill_s)
+        return max(out, (lane_it + own_it) / (1.0 - prefill_busy))
 
     def kv_reserve(self, t: TenantState, d: DeviceState) -> int:
         """KV the device's own tenant needs soon: its queued requests and one more typical one."""

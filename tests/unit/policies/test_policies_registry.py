@@ -6,7 +6,7 @@ import random
 import pytest
 
 from shared.policies import POLICIES, PolicyConfigError, make_policy
-from shared.policies.actions import Trigger
+from shared.policies.actions import ExtendLease, Trigger
 from shared.policies.sizing import device_counts
 from shared.registry import UnknownNameError
 from shared.sim import SimConfig, Simulator
@@ -262,3 +262,39 @@ def test_slice_commits_every_lease_its_search_picked_whatever_the_trigger(trigge
     snap = SimpleNamespace(devices={"a": SimpleNamespace(id="a")}, leases={})
     assert pol.decide(trigger, snap, SimpleNamespace(same_snapshot=nullcontext)) == grants
     assert pol._extra == []
+
+
+def test_slice_closes_a_lane_that_became_too_slow_to_new_requests_and_lets_it_end():
+    """A "sequences" lease granted while its guest's own tenant was away goes on running when that tenant comes
+    back, and every lane token then waits for one of its iterations: on each tick ``slice`` prices the lane again
+    and, past ``guest_margin`` × the leasing tenant's TPOT target, routes no new request there and stops extending
+    the lease (ServeGen: lane requests had run at 1.5× the target, half of them violating)."""
+    from shared.config import SLA
+    from shared.model.config import PRESETS
+    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable, TenantState
+    from shared.sim.whatif import WhatIf
+
+    pol = make_policy("slice", {"segments": False})
+    pol.devices_of = {"a": ["h"], "b": ["g"]}
+    sla = SLA(ttft_ms=200, tpot_ms=30)
+    tenants = {"a": TenantState("a", PRESETS["llama-7b"], sla, ["h"], mean_input=1000, mean_output=100),
+               "b": TenantState("b", PRESETS["llama-7b"], sla, ["g"], mean_input=1000, mean_output=100)}
+    home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
+                       running=64, queued=30, queued_prefill_tokens=40_000, decode_kv_tokens=64 * 1000)
+    guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
+                        guest_share=0.6, guest_engines={"a": (2, 0, True)})
+    lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active")
+    snap = ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants, leases=LeaseTable({"L": lease}))
+    whatif = WhatIf()
+    tick = Trigger("tick")
+
+    def extended():
+        return any(isinstance(a, ExtendLease) and a.lease_id == "L" for a in pol.decide(tick, snap, whatif))
+
+    assert extended() and "L" not in pol._closed  # its guest's tenant is gone: the lane is fast
+    assert pol.route("a", 1000, 100, snap) == "g"  # and takes the request the home would keep waiting
+    tenants["b"].rate_rps = 2.0  # the guest's tenant is back: prompts to prefill, its own decode beside the lane
+    guest.busy, guest.running, guest.decode_kv_tokens = True, 48, 48 * 1500
+    guest.guest_yield = 0.5  # it yields half its time: on prompt wait alone the lane would still win
+    assert not extended() and "L" in pol._closed
+    assert pol.route("a", 1000, 100, snap) == "h"

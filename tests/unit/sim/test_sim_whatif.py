@@ -102,3 +102,28 @@ def test_a_lane_on_a_decoding_guest_waits_for_the_guests_own_iteration(snap):
         g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens = saved
     assert "lease_tpot" not in light.breaks
     assert "lease_tpot" in heavy.breaks and heavy.tpot_s > light.tpot_s
+
+
+def test_a_lane_on_a_guest_idle_between_requests_is_priced_as_if_its_tenant_were_back(snap):
+    """A guest whose own tenant is idle at this instant but had arrivals in the last 30 s will be decoding (and
+    prefilling, which stops the lane) within the lane's life: its lane is priced slower than on a guest whose
+    tenant is gone, and slower still the more of the device its tenant's prompts take."""
+    cluster, s = snap
+    w = WhatIf.for_cluster(cluster)
+    c = _cands(s, 1, share=0.9, mode="sequences")[0]
+    g = s.devices[c.guest_device]
+    gt = s.tenants[g.home_tenant]
+    ten = s.tenants["t00"]
+    saved = (g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens, gt.rate_rps, gt.mean_input)
+    try:
+        g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens = False, 0, 0, 0, 0
+        gt.rate_rps = 0.0
+        gone = w.lane_tpot(s, ten, g, c.share)
+        gt.rate_rps, gt.mean_input = 1.0, 500
+        back = w.lane_tpot(s, ten, g, c.share)
+        gt.rate_rps, gt.mean_input = 8.0, 4000
+        prompts = w.lane_tpot(s, ten, g, c.share)
+    finally:
+        g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens, gt.rate_rps, gt.mean_input = saved
+    assert gone < back < prompts
+    assert w.lane_tpot(s, ten, g, c.share, batch=64) > w.lane_tpot(s, ten, g, c.share, batch=1)

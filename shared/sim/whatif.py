@@ -292,7 +292,7 @@ class WhatIf:
         decoding. While the guest's own tenant decodes, a lane iteration runs at most once between two of its own
         (the guest's TPOT), so a lane token waits for one of those too, whatever the share. A guest tenant idle at
         this instant but with arrivals in the last 30 s counts as decoding one typical request: it will be back
-        within the lane's life (a lease granted in a gap of a steady tenant ran its lane at twice the target)."""
+        within the lane's life (a lease granted in a gap of a steady tenant ran its lane at about 1.5× the target)."""
         gcost = self.cost(ten, guest.kind)
         typical = int(ten.mean_input) if ten.mean_input > 0 else 1024
         n = max(1, batch)

@@ -164,9 +164,26 @@ def _display(path: str) -> str:
 
 def run_sim(args: argparse.Namespace, out: Path, cmd: str) -> None:
     s = search_for(args, "sim")
+    policies = _split(args.sim_policies)
     for wl in map(_in_repo, _split(args.sim_workloads)):
-        compare_part(wl, _in_repo(args.sim_cluster), _split(args.sim_policies), "sim", s, args.jobs,
-                     out / f"sim-{Path(wl).stem}.json", cmd, args.quick)
+        stem = Path(wl).stem
+        compare_part(wl, _in_repo(args.sim_cluster), policies, "sim", s, args.jobs, out / f"sim-{stem}.json", cmd,
+                     args.quick)
+        if {"container", "slice"} <= set(policies):  # where the violations are at slice's boundary
+            anatomy_part(out / f"sim-{stem}.json", out / f"anatomy-{stem}.json")
+        else:
+            (out / f"anatomy-{stem}.json").unlink(missing_ok=True)
+
+
+def anatomy_part(source: Path, json_out: Path) -> None:
+    """``bench anatomy`` of container and slice at slice's ≤ 9% boundary of the compare result ``source``."""
+    from bench.bench_anatomy import run as run_anatomy
+    from bench.results.meta import display_path
+    from shared.sim.anatomy import DEFAULT_BIN_S
+    ns = argparse.Namespace(source=display_path(str(source)), policies="container,slice", bound="9", at="slice",
+                            scale=None, own_boundary="container", bin_s=DEFAULT_BIN_S, json_out=str(json_out))
+    if run_anatomy(ns) != 0:
+        raise RuntimeError(f"bench anatomy of {source} failed")
 
 
 def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> None:

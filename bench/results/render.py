@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from bench.results.anatomy import anatomy_section, load_anatomies
 from bench.results.checks import bound_below, emulated_checks, real_checks, sim_checks, sim_summary_checks
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -44,7 +45,8 @@ def load_results(out_dir: Path) -> dict[str, Any]:
     order = [w for w in SIM_ORDER if w in sims] + sorted(w for w in sims if w not in SIM_ORDER)
     return {"sim": {w: sims[w] for w in order}, "emulated": read("emulated.json"),
             "prediction": read("emulated-prediction.json"), "emulated_timeline": read("emulated-timeline.json"),
-            "real": read("real.json"), "real_timeline": read("real-timeline.json")}
+            "real": read("real.json"), "real_timeline": read("real-timeline.json"),
+            "anatomy": load_anatomies(out_dir, SIM_ORDER)}
 
 
 def _rel(png: Path, md: Path) -> str:
@@ -168,7 +170,8 @@ def tenant_table(res: Mapping[str, Any], policies: tuple[str, ...] = ("container
     return lines + [""]
 
 
-def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
+def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path,
+                anatomies: Mapping[str, Any] | None = None) -> list[str]:
     lines = ["## Simulated", "",
              "Offline simulator (H100 profile fitted to measured operator timings, docs/profiling.md); every policy on "
              "the same workload, cluster, seeds and planned containers in one run. SLA targets per request (5 × its "
@@ -201,6 +204,7 @@ def sim_section(sims: Mapping[str, Any], out_dir: Path, md: Path) -> list[str]:
                 lines += [f"Note: on {w} at ≤ {key}%, `pooled-bound` ({fmt(above[0][2], '.1f')} tok/s) is below "
                           + ", ".join(f"`{n}` ({fmt(t, '.1f')})" for n, t, _ in above)
                           + ": it is not an upper bound there, so shares of its gain are not meaningful.", ""]
+    lines += anatomy_section({w: a for w, a in (anatomies or {}).items() if w in sims})
     for w, res in sims.items():
         lines += [f"### {w} (simulated)", ""] + provenance(res["meta"]) + containers_lines(res) + [""]
         lines += policy_table(res) + [""] + tenant_table(res)
@@ -354,7 +358,7 @@ def results_markdown(results: Mapping[str, Any], out_dir: Path, md: Path, result
              "that produced these numbers:", ""]
     lines += [f"- {k}: {fmt(m.get('wall_s'), '.0f')} s ({'quick' if m.get('quick') else 'full settings'}"
               f"{', shortened trace' if m.get('shortened') else ''}; {m['date']})" for k, m in walls] + [""]
-    lines += sim_section(results["sim"], out_dir, md)
+    lines += sim_section(results["sim"], out_dir, md, results.get("anatomy") or {})
     lines += emulated_section(results["emulated"], results["prediction"], results["emulated_timeline"], out_dir, md)
     lines += real_section(results["real"], results["real_timeline"], out_dir, md)
     return "\n".join(lines).rstrip() + "\n"

@@ -28,6 +28,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "cpu": ("bench.bench_cpu", "CPU per request of each mesh process at a steady load"),
     "accuracy": ("bench.bench_accuracy", "simulator error against the real CPU mesh"),
     "compare": ("bench.bench_compare", "max sustainable throughput per policy, side by side"),
+    "anatomy": ("bench.bench_anatomy", "violations by cause and the idle capacity during them, at slice's boundary"),
     "decisions": ("bench.bench_decisions", "scheduling decision latency against Redis"),
     "transport": ("bench.bench_transport", "tensor transport bandwidth/latency per backend"),
     "whatif": ("bench.bench_whatif", "what-if RPC latency on a synthetic twin"),

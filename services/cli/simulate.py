@@ -123,10 +123,12 @@ def with_containers(w: Workload, homes: Mapping[str, Any] | None) -> Workload:
 
 def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict[str, Any] | None = None,
              seed: int | None = None, step_by_step: bool = False, progress: Any = None,
-             containers: str | Mapping[str, Any] | None = "homes", stop_above: float | None = None) -> dict[str, Any]:
+             containers: str | Mapping[str, Any] | None = "homes", stop_above: float | None = None,
+             anatomy_bin_s: float | None = None) -> dict[str, Any]:
     """Run one simulation; returns the result dict with ``wall_s`` added. The policy gets the cluster file's
     ``policies.<name>`` overridden by ``params``, as the live scheduler does (:func:`policy_params`), and starts
-    from the containers ``containers`` names (:func:`homes_for`)."""
+    from the containers ``containers`` names (:func:`homes_for`). With ``anatomy_bin_s`` the result also holds
+    ``anatomy`` (:func:`shared.sim.anatomy.anatomy`: violations by cause, idle capacity during TTFT waits)."""
     from shared.policies import POLICIES, make_policy, policy_params
     from shared.sim import SimConfig, Simulator
     w = with_containers(w, homes_for(containers, cluster, w))
@@ -140,8 +142,13 @@ def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict
     if stop_above is not None:
         from shared.sim.metrics import MIN_TENANT_REQUESTS
         sim.stop_above(w, stop_above, MIN_TENANT_REQUESTS)
+    if anatomy_bin_s is not None:
+        sim.record_busy(anatomy_bin_s)
     result = sim.run(w, progress=progress)
     out = result.to_dict()
+    if anatomy_bin_s is not None:
+        from shared.sim.anatomy import anatomy
+        out["anatomy"] = anatomy(sim, w, anatomy_bin_s)
     out["homes"] = {t.name: list(t.home_devices) for t in w.tenants.tenants}
     out["wall_s"] = time.perf_counter() - t0
     out["events_per_s"] = out["events"] / out["wall_s"] if out["wall_s"] > 0 else 0.0

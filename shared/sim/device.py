@@ -7,6 +7,7 @@ from typing import Callable
 
 from shared.config import DeviceConfig
 from shared.costmodel.profiles import DeviceProfile
+from shared.sim.anatomy import BusyBins
 from shared.sim.replica import SimReplica
 from shared.sim.sim_lease import ACTIVE, DRAINING, SimLease
 from shared.sim.memory import DeviceMemory
@@ -76,7 +77,7 @@ class SimDevice:
                  "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "hosted", "last_engine",
                  "quantum_used", "quantum", "schedule", "switch_cost", "state", "pending_switch_s", "switches",
                  "used_s",
-                 "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin", "exclusive_lanes", "hist")
+                 "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin", "exclusive_lanes", "hist", "bins")
 
     def __init__(self, cfg: DeviceConfig, profile: DeviceProfile, headroom_fraction: float,
                  schedule: Callable[["SimDevice", float, int], None]) -> None:
@@ -112,6 +113,7 @@ class SimDevice:
         # older fluid model, where a lane runs beside the own tenant slowed to its share.
         self.exclusive_lanes = True
         self.hist = LaneHistory()  # exclusive lanes: recent steps, for the guests' share
+        self.bins: BusyBins | None = None  # busy time per bin, when the run records it (a lane shares its device's)
 
     def make_lane(self, lease: SimLease) -> "SimDevice":
         """A guest lane: its own step loop over this device's memory, running under ``lease``'s share."""
@@ -318,6 +320,8 @@ class SimDevice:
             self.parent.guest_busy_s += dur / eng.slowdown
         else:
             self.busy_s += dur
+        if self.bins is not None:  # a stretched own step's extra time is its guests' (recorded as theirs)
+            self.bins.add(self.cur_start, now, self.parent is not None, 1.0 / eng.slowdown)
         if self.exclusive_lanes and (self.lanes or self.parent is not None):
             self.hist.append(now, dur, self.parent is not None)
         if self.sharing == "weighted":

@@ -160,6 +160,8 @@ class SimReplica:
                 self.offload_iters += 1
                 for lease, gb, lb in zip(self.offload, timing.guest_busy_s, timing.link_bytes):
                     lease.account(gb, lb)
+                    if lease.guest_dev.bins is not None:
+                        lease.guest_dev.bins.add(now, now + gb, True)
                 return 1, timing.total_s * slow
         return 1, t_local * slow
 

@@ -86,6 +86,13 @@ class Simulator:
         self._targets: dict[str, RequestTargets] = {}
         self.stopped_early = False
 
+    def record_busy(self, bin_s: float) -> None:
+        """Record every device's busy time in ``bin_s`` bins for :func:`shared.sim.anatomy.anatomy` (call before
+        :meth:`run`)."""
+        from shared.sim.anatomy import BusyBins
+        for d in self.devices.values():
+            d.bins = BusyBins(bin_s)
+
     # ---------------------------------------------------------------- ids and events
     def next_id(self, prefix: str) -> str:
         self._ids += 1

@@ -78,6 +78,10 @@ def test_quick_sim_part_writes_json_figure_page_and_readme(small):
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size < 150_000
     md = (small / "docs" / "results.md").read_text()
     assert "### small (simulated)" in md and "](results/sim-small.png)" in md and "**simulated**" in md
+    a = json.loads((out / "anatomy-small.json").read_text())  # where the violations are, at slice's boundary
+    assert a["scale"] == res["per_seed"][str(res["seeds"][0])]["policies"]["slice"]["max_scale_9"]
+    assert set(a["runs"]) == {"container", "slice", "container at its boundary"}
+    assert "### Where the violations are (simulated)" in md and "| small | slice |" in md
     ratio = res["ratio_to_container"]["slice"]["9"]
     assert f"| small | {ratio:.2f} |" in _readme_block(small / "README.md")
 

@@ -1,6 +1,7 @@
 """docs/results.md, the README block and the figures, rendered from fixture JSON (no runs)."""
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -158,3 +159,36 @@ def test_a_confirmed_search_says_so_above_its_table():
     res = {"policies": {"container": r}, "ratio_to_container": {"container": {"9": 1.0, "1": 1.0}}}
     assert not any("replays" in x for x in policy_table(res))
     assert "passed 2 replays" in policy_table(dict(res, confirm=2))[0]
+
+
+def _anatomy_run(policy, scale, viol, ttft, idle_p50, with_idle, own, guest, granted):
+    pc = {"p50": None, "p90": None, "mean": None}
+    return {"policy": policy, "scale": scale, "violation_rate": viol, "by_cause": {"ttft": ttft, "tpot": 2,
+                                                                                    "not_served": 0},
+            "ttft_violations": {"excess_ms": {"p50": 28.7, "p90": 110.2, "mean": 40.0}, "wait_ms": pc,
+                                "idle_elsewhere": {"p50": idle_p50, "p90": 5.0, "mean": 3.0},
+                                "with_idle_device_elsewhere": with_idle,
+                                "own_container_busy": {"p50": 1.0, "p90": 1.0, "mean": 0.99}},
+            "devices": {"own_busy_mean": own, "guest_busy_mean": guest},
+            "leases": {"granted": granted, "lifetime_s": {"p50": 1.0 if granted else None}}}
+
+
+def test_the_anatomy_table_is_rendered_for_each_simulated_workload(out, tmp_path):
+    meta = {"machine": "2-core CPU VM (AMD EPYC), no GPU", "date": "2026-01-02",
+            "command": "slicesched bench anatomy --from docs/results/sim-azure-16mix-a1.3.json"}
+    runs = {"container": _anatomy_run("container", 8.0, 0.039, 144, 3.68, 0.972, 0.878, 0.0, 0),
+            "slice": _anatomy_run("slice", 8.0, 0.026, 87, 1.32, 0.632, 0.799, 0.137, 203),
+            "container at its boundary": _anatomy_run("container", 4.0, 0.026, 74, 4.7, 1.0, 0.851, 0.0, 0)}
+    (out / "anatomy-azure-16mix-a1.3.json").write_text(json.dumps({"scale": 8.0, "runs": runs, "meta": meta}))
+    (out / "anatomy-not-simulated-here.json").write_text(json.dumps({"scale": 1.0, "runs": {}, "meta": meta}))
+    md = tmp_path / "docs" / "results.md"
+    assert main(["bench", "results", "--render-only", "--out", str(out), "--readme", ""]) == 0
+    text = md.read_text()
+    assert "### Where the violations are (simulated)" in text and meta["command"] in text
+    for row in ("| azure-16mix-a1.3 | container | 8 | 3.9% | 144 / 2 / 0 | 29 ms (110) | 100.0% | 3.7 (5.0) | "
+                "97.2% | 87.8% / 0.0% | – |",
+                "| azure-16mix-a1.3 | slice | 8 | 2.6% | 87 / 2 / 0 | 29 ms (110) | 100.0% | 1.3 (5.0) | 63.2% | "
+                "79.9% / 13.7% | 203 (1.00 s) |",
+                "| azure-16mix-a1.3 | container at its boundary | 4 | 2.6% | 74 / 2 / 0 |"):
+        assert row in text, row
+    assert "| not-simulated-here |" not in text  # an anatomy without its compare result is not shown

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shared.costmodel.sla import RequestTargets
-from shared.sim.request import DONE
+from shared.sim.metrics import violation_cause
 
 if TYPE_CHECKING:
     from shared.sim.simulator import Simulator
@@ -103,21 +103,18 @@ def anatomy(sim: "Simulator", workload: "Workload", bin_s: float) -> dict[str, A
         t = {"requests": len(rows), "devices": len(containers.get(name, ())), "ttft": 0, "tpot": 0, "not_served": 0}
         t_idle: list[float] = []
         for r in rows:
-            if r.status != DONE:
-                t["not_served"] += 1
+            cause = violation_cause(r, tgt)
+            if cause is None:
                 continue
-            ttft_t, tpot_t = tgt(r.input, r.output)
-            ttft = r.first_token - r.arrival
-            if ttft > ttft_t:
-                t["ttft"] += 1
-                excess.append(ttft - ttft_t)
+            t[cause] += 1
+            if cause == "ttft":
+                ttft = r.first_token - r.arrival
+                excess.append(ttft - tgt(r.input, r.output)[0])
                 waits.append(ttft)
                 v = window_mean(cum_out[name], r.arrival, r.first_token)
                 idle_out.append(v)
                 t_idle.append(v)
                 own_busy.append(1.0 - window_mean(cum_in[name], r.arrival, r.first_token) / k)
-            elif r.output > 1 and (r.finish - r.first_token) / (r.output - 1) > tpot_t:
-                t["tpot"] += 1
         t["violations"] = t["ttft"] + t["tpot"] + t["not_served"]
         t["idle_elsewhere_p50"] = _pcts(t_idle)["p50"]
         tenants[name] = t

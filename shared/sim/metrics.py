@@ -63,22 +63,27 @@ def _group(rows: list, window: float, ttft_sla: np.ndarray | None = None) -> dic
             "ttft_ms": _pct(ttft), "tpot_ms": _pct(tpot)}
 
 
+def violation_cause(r, targets: RequestTargets) -> str | None:
+    """Why request ``r`` violates its SLA — ``not_served``, ``ttft`` (first token past its target) or ``tpot`` —
+    or None; ``targets(input, output)`` gives its (TTFT, TPOT) targets in seconds."""
+    if r.status != DONE:
+        return "not_served"
+    ttft_s, tpot_s = targets(r.input, r.output)
+    if r.first_token - r.arrival > ttft_s:
+        return "ttft"
+    if r.output > 1 and (r.finish - r.first_token) / (r.output - 1) > tpot_s:
+        return "tpot"
+    return None
+
+
 def _violations(rows: list, targets: RequestTargets) -> tuple[int, dict[str, int]]:
-    """Violating requests, and why: not served, TTFT over its target, TPOT over its target (a request counts
-    once); ``targets(input, output)`` gives a request's (TTFT, TPOT) targets in seconds."""
+    """Violating requests, and why (:func:`violation_cause`; a request counts once)."""
     v, why = 0, {"not_served": 0, "ttft": 0, "tpot": 0}
     for r in rows:
-        if r.status != DONE:
-            why["not_served"] += 1
-        else:
-            ttft_s, tpot_s = targets(r.input, r.output)
-            if r.first_token - r.arrival > ttft_s:
-                why["ttft"] += 1
-            elif r.output > 1 and (r.finish - r.first_token) / (r.output - 1) > tpot_s:
-                why["tpot"] += 1
-            else:
-                continue
-        v += 1
+        c = violation_cause(r, targets)
+        if c is not None:
+            why[c] += 1
+            v += 1
     return v, why
 
 

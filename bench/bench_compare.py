@@ -74,6 +74,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "and forecasts (on), without (off, SLICESCHED_SIM_STEERING=0), or each policy searched both "
                         "ways, their points alternating (both: policies named <policy>/steering-on and "
                         "<policy>/steering-off); default: as the environment says")
+    p.add_argument("--lane-handback", action="store_true",
+                   help="--fidelity sim only: guest lanes hand prefilled sequences to the home device "
+                        "(SimConfig.lane_handback; workers do not do it yet)")
     p.add_argument("--json", dest="json_out", default=None)
 
 
@@ -99,7 +102,8 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
     if args.jobs <= 1:
         from services.cli.simulate import load_workload_file, simulate
         w = load_workload_file(args.workload, scale, seed, args.duration_s, getattr(args, "scale_mode", None))
-        r = simulate(_cluster(args.cluster), w, policy, seed=seed, containers=homes, stop_above=stop_above)
+        r = simulate(_cluster(args.cluster), w, policy, seed=seed, containers=homes, stop_above=stop_above,
+                     lane_handback=getattr(args, "lane_handback", False))
         return point_summary(r)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
@@ -117,6 +121,8 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
             cmd += ["--scale-mode", args.scale_mode]
         if stop_above is not None:
             cmd += ["--stop-above", repr(stop_above)]
+        if getattr(args, "lane_handback", False):
+            cmd += ["--lane-handback"]
         p = CHILDREN.run(cmd, Path(__file__).resolve().parents[1])
         if p.returncode != 0:
             raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
@@ -262,6 +268,9 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
                            "containers": containers, "confirm": confirm_of(args),
                            "sim_steering": getattr(args, "sim_steering", None),
                            "wall_s": time.perf_counter() - t0, "per_seed": per_seed}
+    if getattr(args, "lane_handback", False):
+        from shared.sim.simulator import LANE_HANDBACK_LABEL
+        res["lane_handback"] = LANE_HANDBACK_LABEL
     res["ratio_to_container"] = median_of(per_seed, "ratio_to_container")
     res["pooled_gain_captured"] = median_of(per_seed, "pooled_gain_captured")
     res["runs"] = sorted(log, key=lambda x: (x["policy"], str(x["seed"]), x["scale"]))
@@ -284,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
     steering = getattr(args, "sim_steering", None)
     if steering and args.fidelity == "sim":
         return _usage("--sim-steering is for the mesh fidelities (the simulator service steers a live scheduler)")
+    if getattr(args, "lane_handback", False) and args.fidelity != "sim":
+        return _usage(f"--lane-handback is for --fidelity sim; the {args.fidelity} mesh's workers do not move a "
+                      "sequence's KV between devices")
     if steering == "both":
         policies = [f"{p}/steering-{v}" for p in policies for v in ("on", "off")]
     if args.confirm is not None and args.confirm < 1:

@@ -98,6 +98,24 @@ class _Seq:
         return self.computed < len(self.prompt)
 
 
+@dataclass
+class SequenceState:
+    """A sequence past its prompt, as :meth:`Engine.export_sequence` takes it from one engine and
+    :meth:`Engine.import_sequence` continues it on another of the same model (a guest lane handing a prefilled
+    sequence to its tenant's home device): the tokens, sampling state, text held back, and the KV of every position
+    computed so far (``kv[i]`` = (K, V) of the i-th layer, each ``[kv_heads, computed, head_dim]``)."""
+
+    request_id: str
+    prompt: list[int]
+    output: list[int]
+    params: SamplingParams
+    computed: int
+    pending: str
+    generator_state: torch.Tensor | None
+    detok: tuple
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class Engine:
     """Continuous batching over a :class:`LlamaModel` holding every segment."""
 
@@ -206,6 +224,57 @@ class Engine:
             self._admit()
             return True
         return False
+
+    def export_sequence(self, request_id: str) -> SequenceState:
+        """A copy of a running sequence that has its first token (its prompt prefilled), for
+        :meth:`import_sequence` on another engine of the same model; the sequence stays here until it is
+        cancelled, so a refused hand-over loses nothing. ``ValueError`` if it is unknown or still prefilling."""
+        seq = self._running.get(request_id)
+        if seq is None or seq.prefilling or not seq.output:
+            raise ValueError(f"request {request_id!r} is not a running sequence past its prompt")
+        slots = self.kv.seq_slots(request_id)[:seq.computed]
+        kv = [(self.kv.k[layer].index_select(1, slots).clone(), self.kv.v[layer].index_select(1, slots).clone())
+              for layer in self.kv.layers]
+        d = seq.detok
+        detok = (d._utf8.getstate(),) if d._utf8 is not None else (list(d.ids), d.prefix, d.read)
+        return SequenceState(request_id, list(seq.prompt), list(seq.output), seq.params, seq.computed, seq.pending,
+                             seq.generator.get_state() if seq.generator is not None else None, detok, kv)
+
+    def import_sequence(self, state: SequenceState) -> None:
+        """Continue an exported sequence here: its KV is written into newly reserved blocks and it decodes from the
+        next step, as if it had run here throughout. ``ValueError`` (nothing changed) for a duplicate id, KV of
+        another model's shape, or no running slot or KV blocks free for ``prompt + max_tokens`` now."""
+        rid = state.request_id
+        if rid in self._running or rid in self._waiting:
+            raise ValueError(f"duplicate request id {rid!r}")
+        layers = self.kv.layers
+        if len(state.kv) != len(layers) or any(
+                k.shape != (self.kv.k[layer].shape[0], state.computed, self.kv.k[layer].shape[2]) or v.shape != k.shape
+                for layer, (k, v) in zip(layers, state.kv)):
+            raise ValueError(f"request {rid!r}: its KV does not match this model's cache")
+        if len(self._running) >= self.max_running or \
+                self.blocks_needed(len(state.prompt), state.params.max_tokens) > self.kv_blocks_free:
+            raise ValueError(f"request {rid!r}: no running slot or KV blocks free for it here")
+        p = state.params
+        gen = None
+        if state.generator_state is not None:
+            gen = make_generator(p.seed)
+            gen.set_state(state.generator_state)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        if detok._utf8 is not None:
+            detok._utf8.setstate(state.detok[0])
+        else:
+            detok.ids, detok.prefix, detok.read = list(state.detok[0]), state.detok[1], state.detok[2]
+        self.kv.allocate(rid, len(state.prompt) + p.max_tokens)
+        slots = self.kv.seq_slots(rid)[:state.computed]
+        for layer, (k, v) in zip(layers, state.kv):
+            self.kv.k[layer].index_copy_(1, slots, k.to(self.kv.k[layer].device, self.kv.dtype))
+            self.kv.v[layer].index_copy_(1, slots, v.to(self.kv.v[layer].device, self.kv.dtype))
+        self._running[rid] = _Seq(rid, list(state.prompt), p, gen, detok, output=list(state.output),
+                                  computed=state.computed, pending=state.pending,
+                                  hold=max((len(x) for x in p.stop), default=1) - 1,
+                                  prompt_t=torch.tensor(state.prompt, dtype=torch.long)
+                                  if p.repetition_penalty != 1.0 else None)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running:

@@ -2,6 +2,7 @@
 and container reassignment (drain, reload, serve the new tenant)."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Iterable
 
 from shared.costmodel import cost_for, transfer_time
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from shared.sim.replica import SimReplica
     from shared.sim.simulator import Simulator
 
-STAGE_DONE, LEASE_END, RELOAD_DONE = 2, 3, 4
+STAGE_DONE, LEASE_END, RELOAD_DONE, KV_MOVED = 2, 3, 4, 5
 
 
 class LeaseBook:
@@ -63,6 +64,8 @@ class LeaseBook:
                 self.end(obj, revoked=False)
         elif kind == RELOAD_DONE:
             self._reload_done(obj)
+        elif kind == KV_MOVED:
+            self._kv_moved(*obj)
 
     def _refuse(self, reason: str) -> None:
         self.stats["refused"] += 1
@@ -153,6 +156,8 @@ class LeaseBook:
                                        else cost_for(sim.model_of(src.tenant), guest.kind), sim.cfg,
                                        sim._on_first_token, sim._on_finish, 0))
             lane.engines[0].tpot_s, lane.engines[0].ttft_s = src.tpot_s, src.ttft_s
+            if sim.cfg.lane_handback:
+                lane.engines[0].handback = lambda r, now, lease=lease: self._handback(lease, r, now)
         else:
             lease.engine.offload.append(lease)
         sim.snapshot.leases[lease.lid].state = ACTIVE
@@ -192,6 +197,43 @@ class LeaseBook:
             return
         self._finalize(lease, revoked)
         self._after_end(lease, revoked)
+
+    def _handback(self, lease: SimLease, r, now: float) -> bool:
+        """A lane finished ``r``'s prompt: its KV moves over the link to the lease's home device, which decodes it
+        in its own batch from its first step after the transfer (``SimConfig.lane_handback``). False (the lane keeps
+        it) when the home engine is draining or the KV does not fit there."""
+        home = lease.engine
+        if home.draining:
+            return False
+        sim, hdev, guest = self.sim, home.device, lease.guest_dev
+        need = home.kv_need(r)
+        if not hdev.mem.try_alloc("kv", need, now):
+            return False
+        link_kind = sim.snapshot.link_kind(guest.id, hdev.id)
+        nbytes = (r.input + 1) * home.cost.kv_bytes_per_token
+        start = max(now, self.link_free.get((guest.id, hdev.id), now))
+        done = start + transfer_time(hdev.profile, link_kind, nbytes)
+        self.link_free[(guest.id, hdev.id)] = done
+        self.link_busy_s[link_kind] = self.link_busy_s.get(link_kind, 0.0) + (done - start)
+        self.link_bytes[link_kind] = self.link_bytes.get(link_kind, 0.0) + nbytes
+        home.joining.append((math.inf, r))  # counted as the home's from now; joins its batch once the KV is there
+        r.engine = home
+        self.stats["handed_back"] = self.stats.get("handed_back", 0) + 1
+        sim.push(done, KV_MOVED, (lease, r, need))
+        return True
+
+    def _kv_moved(self, lease: SimLease, r, need: int) -> None:
+        sim, home = self.sim, lease.engine
+        lease.guest_dev.mem.release("kv", r.kv_bytes, sim.now)
+        r.kv_bytes = need
+        home.joining = [(sim.now if q is r else at, q) for at, q in home.joining]
+        hdev = home.device
+        if hdev.cur is None:
+            hdev.start(sim.now)
+        else:
+            hdev.interrupt(sim.now)
+        sim.refresh(hdev)
+        sim.refresh(lease.guest_dev)
 
     def lane_drained(self, lane: "SimDevice") -> None:
         """A draining guest lane finished its last sequence: release it."""

@@ -26,7 +26,7 @@ class SimReplica:
     __slots__ = ("eid", "tenant", "device", "cost", "cfg", "waiting", "prefilling", "decoding", "decode_kv",
                  "queued_prefill", "offload", "slowdown", "draining", "weights_bytes", "step_chunks", "step_n",
                  "run", "on_first_token", "on_finish", "tokens_out", "busy_s", "block_bytes", "closed_form",
-                 "offload_iters", "tpot_s", "ttft_s")
+                 "offload_iters", "tpot_s", "ttft_s", "joining", "handback")
 
     def __init__(self, eid: str, tenant: str, device: "SimDevice", cost: ModelCost, cfg: "SimConfig",
                  on_first_token: Callable[[SimRequest, float], None],
@@ -49,6 +49,9 @@ class SimReplica:
         self.busy_s = 0.0
         self.block_bytes = cfg.kv_block_tokens * cost.kv_bytes_per_token
         self.closed_form = cfg.closed_form
+        # decoding sequences handed over by a guest lane: (time their KV is here, or inf while in transit, request)
+        self.joining: list[tuple[float, SimRequest]] = []
+        self.handback: Callable[[SimRequest, float], bool] | None = None  # guest lane: hand a prefilled sequence home
         self.offload_iters = 0
         self.tpot_s = float("inf")  # the tenant's TPOT and TTFT targets (bound how much time its device yields
         self.ttft_s = float("inf")  # to guests)
@@ -61,11 +64,11 @@ class SimReplica:
 
     @property
     def running(self) -> int:
-        return len(self.prefilling) + len(self.decoding)
+        return len(self.prefilling) + len(self.decoding) + len(self.joining)
 
     @property
     def outstanding(self) -> int:
-        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding) + len(self.joining)
 
     def oldest_pending(self) -> float:
         """Arrival time of the oldest request still waiting for its first token (inf if none)."""
@@ -112,6 +115,15 @@ class SimReplica:
 
     def ready(self, now: float) -> bool:
         """True if a step can run now (admitting waiting requests first)."""
+        if self.joining:  # sequences prefilled on a guest lane join the batch once their KV has arrived
+            keep = []
+            for at, r in self.joining:
+                if at <= now:
+                    self.decoding.append(r)
+                    self.decode_kv += r.input + r.generated
+                else:
+                    keep.append((at, r))
+            self.joining = keep
         if self.waiting:
             self.admit(now)
         return bool(self.prefilling or self.decoding)
@@ -217,6 +229,8 @@ class SimReplica:
                     self.on_first_token(r, now)
                     if r.output <= 1:
                         any_done = True
+                    elif self.handback is not None and self.handback(r, now):
+                        continue
                     dec.append(r)
                     self.decode_kv += r.input + 1
             self.prefilling = [r for r in self.prefilling if r.prefilled < r.input]

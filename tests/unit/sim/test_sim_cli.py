@@ -330,3 +330,20 @@ def test_a_point_stopped_early_fails_even_if_its_partial_figures_look_fine():
     r = {"violation_rate": 0.02, "worst_tenant_violation_rate": 0.03}
     assert passes(r, 0.09)
     assert not passes(dict(r, stopped_early=True), 0.09)
+
+
+def test_lane_handback_is_simulator_only_and_labelled(files, capsys):
+    """``--lane-handback`` runs the simulator's lane hand-off and says so in the result; a mesh fidelity refuses it
+    in one line naming the flag (its workers do not move KV between devices)."""
+    out = files / "hb.json"
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "slice", "--rate-scale", "2", "--duration-s", "20", "--lane-handback", "--json", str(out)])
+    assert rc == 0
+    assert "simulator only" in json.loads(out.read_text())["lane_handback"]
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "slice", "--rate-scale", "2", "--duration-s", "20", "--json", str(out)])
+    assert rc == 0 and "lane_handback" not in json.loads(out.read_text())
+    capsys.readouterr()
+    rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+               "--policies", "container,slice", "--fidelity", "real", "--lane-handback"])
+    assert rc == 2 and "--lane-handback" in _one_line_error(capsys)

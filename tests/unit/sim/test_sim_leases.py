@@ -163,3 +163,48 @@ def test_exclusive_lanes_never_run_twice_in_a_row_while_the_own_tenant_decodes()
     lane_runs = [(a, b) for a, b in zip(steps, steps[1:]) if a[2] and b[2] and first <= a[0] and b[1] <= last]
     assert sum(s[2] for s in steps) >= 3
     assert not lane_runs, f"{len(lane_runs)} lane iterations followed another while the own tenant decoded"
+
+
+class _LeaseFullHome(_OneLease):
+    """As :class:`_OneLease`, but when it grants the lease the home's memory is all taken but for less than one
+    request's KV."""
+
+    sim: Simulator
+
+    def decide(self, trigger: Trigger, snapshot, whatif=None):
+        if trigger.kind == "tick" and not self.granted:
+            mem = self.sim.devices["d0"].mem
+            assert mem.try_alloc("kv", mem.limit - mem.used - 1024, self.sim.now)
+        return super().decide(trigger, snapshot, whatif)
+
+
+def _run_handback(handback: bool, block_home_kv: bool = False):
+    c = small_cluster(2, 2)
+    t = small_tenants(c, ["llama-7b", "llama-7b"])
+    policy = (_LeaseFullHome if block_home_kv else _OneLease)("sequences", 3.0)
+    sim = policy.sim = Simulator(c, t, policy, SimConfig(lane_handback=handback), random.Random(0))
+    return sim, sim.run(Workload("handback", tuple(_mixed_load()), t, 5.0, 0))
+
+
+def test_lane_handback_decodes_prefilled_sequences_at_home():
+    """Prefill-only lanes: the guest prefills the tenant's prompts, the home decodes them in its own batch, so the
+    guest spends less time on the lane and every token still gets generated."""
+    sim0, r0 = _run_handback(False)
+    sim1, r1 = _run_handback(True)
+    moved = [q for q in sim1.requests if q.rid.startswith("a") and q.engine.device.id == "d0"]
+    assert r1.leases["handed_back"] == len(moved) > 0
+    assert all(q.status == 2 and q.generated == q.output for q in sim1.requests)
+    assert r1.tenants["t0"]["output_tokens"] == r0.tenants["t0"]["output_tokens"]
+    assert sim1.devices["d1"].guest_busy_s < sim0.devices["d1"].guest_busy_s
+    for dev in sim1.devices.values():  # the KV moved with the sequence: freed on the guest, released at home
+        assert dev.mem.by_kind["kv"] == 0
+        assert max(b for _, b in dev.mem.timeline) <= dev.mem.limit
+    assert "handed_back" not in r0.leases
+
+
+def test_lane_handback_keeps_the_sequence_when_its_kv_does_not_fit_at_home():
+    sim, r = _run_handback(True, block_home_kv=True)
+    on_lane = [q for q in sim.requests if q.rid.startswith("a")]
+    assert on_lane and all(q.engine.device.parent is not None for q in on_lane)
+    assert "handed_back" not in r.leases
+    assert all(q.status == 2 and q.generated == q.output for q in sim.requests)

@@ -235,10 +235,8 @@ class Engine:
         slots = self.kv.seq_slots(request_id)[:seq.computed]
         kv = [(self.kv.k[layer].index_select(1, slots).clone(), self.kv.v[layer].index_select(1, slots).clone())
               for layer in self.kv.layers]
-        d = seq.detok
-        detok = (d._utf8.getstate(),) if d._utf8 is not None else (list(d.ids), d.prefix, d.read)
         return SequenceState(request_id, list(seq.prompt), list(seq.output), seq.params, seq.computed, seq.pending,
-                             seq.generator.get_state() if seq.generator is not None else None, detok, kv)
+                             seq.generator.get_state() if seq.generator is not None else None, seq.detok.state(), kv)
 
     def import_sequence(self, state: SequenceState) -> None:
         """Continue an exported sequence here: its KV is written into newly reserved blocks and it decodes from the
@@ -261,10 +259,7 @@ class Engine:
             gen = make_generator(p.seed)
             gen.set_state(state.generator_state)
         detok = IncrementalDetokenizer(self.tokenizer)
-        if detok._utf8 is not None:
-            detok._utf8.setstate(state.detok[0])
-        else:
-            detok.ids, detok.prefix, detok.read = list(state.detok[0]), state.detok[1], state.detok[2]
+        detok.restore(state.detok)
         self.kv.allocate(rid, len(state.prompt) + p.max_tokens)
         slots = self.kv.seq_slots(rid)[:state.computed]
         for layer, (k, v) in zip(layers, state.kv):

@@ -319,6 +319,17 @@ class IncrementalDetokenizer:
             return text[len(prefix_text):]
         return ""
 
+    def state(self) -> tuple:
+        """What :meth:`restore` needs to continue this detokenizer elsewhere (plain values)."""
+        return (self._utf8.getstate(),) if self._utf8 is not None else (list(self.ids), self.prefix, self.read)
+
+    def restore(self, state: tuple) -> None:
+        """Continue from :meth:`state` of a detokenizer over the same tokenizer."""
+        if self._utf8 is not None:
+            self._utf8.setstate(state[0])
+        else:
+            self.ids, self.prefix, self.read = list(state[0]), state[1], state[2]
+
     def flush(self) -> str:
         """Everything still held (an incomplete character decodes as U+FFFD)."""
         if self._utf8 is not None:

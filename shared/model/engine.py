@@ -206,13 +206,9 @@ class Engine:
         if need > self.kv_blocks_total:
             raise ValueError(f"request needs {need} KV blocks, the cache has {self.kv_blocks_total}")
         params = replace(params, stop=tuple(s for s in params.stop if s))
-        seq = _Seq(request_id, list(prompt_ids), params,
-                   make_generator(params.seed) if params.temperature > 0 else None,
-                   IncrementalDetokenizer(self.tokenizer, prompt_ids),
-                   hold=max((len(s) for s in params.stop), default=1) - 1,
-                   prompt_t=torch.tensor(prompt_ids, dtype=torch.long) if params.repetition_penalty != 1.0
-                   else None)
-        self._waiting[request_id] = seq
+        self._waiting[request_id] = self._new_seq(request_id, prompt_ids, params,
+                                                  make_generator(params.seed) if params.temperature > 0 else None,
+                                                  IncrementalDetokenizer(self.tokenizer, prompt_ids))
         self._admit()
 
     def cancel(self, request_id: str) -> bool:
@@ -265,11 +261,14 @@ class Engine:
         for layer, (k, v) in zip(layers, state.kv):
             self.kv.k[layer].index_copy_(1, slots, k.to(self.kv.k[layer].device, self.kv.dtype))
             self.kv.v[layer].index_copy_(1, slots, v.to(self.kv.v[layer].device, self.kv.dtype))
-        self._running[rid] = _Seq(rid, list(state.prompt), p, gen, detok, output=list(state.output),
-                                  computed=state.computed, pending=state.pending,
-                                  hold=max((len(x) for x in p.stop), default=1) - 1,
-                                  prompt_t=torch.tensor(state.prompt, dtype=torch.long)
-                                  if p.repetition_penalty != 1.0 else None)
+        seq = self._running[rid] = self._new_seq(rid, state.prompt, p, gen, detok)
+        seq.output, seq.computed, seq.pending = list(state.output), state.computed, state.pending
+
+    @staticmethod
+    def _new_seq(rid: str, prompt: list[int], params: SamplingParams, gen: torch.Generator | None,
+                 detok: IncrementalDetokenizer) -> _Seq:
+        return _Seq(rid, list(prompt), params, gen, detok, hold=max((len(s) for s in params.stop), default=1) - 1,
+                    prompt_t=torch.tensor(prompt, dtype=torch.long) if params.repetition_penalty != 1.0 else None)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running:

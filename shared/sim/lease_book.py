@@ -67,6 +67,15 @@ class LeaseBook:
         elif kind == KV_MOVED:
             self._kv_moved(*obj)
 
+    def _transfer(self, src: "SimDevice", dst: "SimDevice", link_kind: str, nbytes: float) -> float:
+        """Move ``nbytes`` from ``src`` to ``dst`` after what that link already carries; returns when it is there."""
+        start = max(self.sim.now, self.link_free.get((src.id, dst.id), self.sim.now))
+        done = start + transfer_time(src.profile, link_kind, nbytes)
+        self.link_free[(src.id, dst.id)] = done
+        self.link_busy_s[link_kind] = self.link_busy_s.get(link_kind, 0.0) + (done - start)
+        self.link_bytes[link_kind] = self.link_bytes.get(link_kind, 0.0) + nbytes
+        return done
+
     def _refuse(self, reason: str) -> None:
         self.stats["refused"] += 1
         r = self.stats["refused_reasons"]
@@ -117,12 +126,7 @@ class LeaseBook:
         mem.alloc("activations", act, now)
         link_kind = sim.snapshot.link_kind(home.id, guest.id)
         link = home.profile.link(link_kind)
-        start = max(now, self.link_free.get((home.id, guest.id), now))
-        done = start + transfer_time(home.profile, link_kind, new_bytes) if new_bytes else now
-        if new_bytes:
-            self.link_free[(home.id, guest.id)] = done
-            self.link_busy_s[link_kind] = self.link_busy_s.get(link_kind, 0.0) + (done - start)
-            self.link_bytes[link_kind] = self.link_bytes.get(link_kind, 0.0) + new_bytes
+        done = self._transfer(home, guest, link_kind, new_bytes) if new_bytes else now
         lid = sim.next_id("L")
         lease = SimLease(lid, eng, guest, tuple(a.segments), OffloadPart(guest.id, len(a.segments), a.share, link,
                                                                       gcost, lid),
@@ -209,13 +213,8 @@ class LeaseBook:
         need = home.kv_need(r)
         if not hdev.mem.try_alloc("kv", need, now):
             return False
-        link_kind = sim.snapshot.link_kind(guest.id, hdev.id)
-        nbytes = (r.input + 1) * home.cost.kv_bytes_per_token
-        start = max(now, self.link_free.get((guest.id, hdev.id), now))
-        done = start + transfer_time(hdev.profile, link_kind, nbytes)
-        self.link_free[(guest.id, hdev.id)] = done
-        self.link_busy_s[link_kind] = self.link_busy_s.get(link_kind, 0.0) + (done - start)
-        self.link_bytes[link_kind] = self.link_bytes.get(link_kind, 0.0) + nbytes
+        done = self._transfer(guest, hdev, sim.snapshot.link_kind(guest.id, hdev.id),
+                              (r.input + 1) * home.cost.kv_bytes_per_token)
         home.joining.append((math.inf, r))  # counted as the home's from now; joins its batch once the KV is there
         r.engine = home
         self.stats["handed_back"] = self.stats.get("handed_back", 0) + 1

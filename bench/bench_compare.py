@@ -75,8 +75,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "ways, their points alternating (both: policies named <policy>/steering-on and "
                         "<policy>/steering-off); default: as the environment says")
     p.add_argument("--lane-handback", action="store_true",
-                   help="--fidelity sim only: guest lanes hand prefilled sequences to the home device "
-                        "(SimConfig.lane_handback; workers do not do it yet)")
+                   help="the policies that take it (slice) run with lane_handback=true: guest lanes hand each "
+                        "prefilled sequence to the home device (docs/guest-execution.md); every fidelity")
     p.add_argument("--json", dest="json_out", default=None)
 
 
@@ -102,8 +102,8 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
     if args.jobs <= 1:
         from services.cli.simulate import load_workload_file, simulate
         w = load_workload_file(args.workload, scale, seed, args.duration_s, getattr(args, "scale_mode", None))
-        r = simulate(_cluster(args.cluster), w, policy, seed=seed, containers=homes, stop_above=stop_above,
-                     lane_handback=getattr(args, "lane_handback", False))
+        r = simulate(_cluster(args.cluster), w, policy, handback_params(args, policy), seed=seed, containers=homes,
+                     stop_above=stop_above)
         return point_summary(r)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
@@ -121,8 +121,7 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
             cmd += ["--scale-mode", args.scale_mode]
         if stop_above is not None:
             cmd += ["--stop-above", repr(stop_above)]
-        if getattr(args, "lane_handback", False):
-            cmd += ["--lane-handback"]
+        cmd += [f"--param={k}={str(v).lower()}" for k, v in handback_params(args, policy).items()]
         p = CHILDREN.run(cmd, Path(__file__).resolve().parents[1])
         if p.returncode != 0:
             raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
@@ -269,12 +268,24 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
                            "sim_steering": getattr(args, "sim_steering", None),
                            "wall_s": time.perf_counter() - t0, "per_seed": per_seed}
     if getattr(args, "lane_handback", False):
-        from shared.sim.simulator import LANE_HANDBACK_LABEL
-        res["lane_handback"] = LANE_HANDBACK_LABEL
+        res["lane_handback"] = [p for p in policies if handback_params(args, p)]
     res["ratio_to_container"] = median_of(per_seed, "ratio_to_container")
     res["pooled_gain_captured"] = median_of(per_seed, "pooled_gain_captured")
     res["runs"] = sorted(log, key=lambda x: (x["policy"], str(x["seed"]), x["scale"]))
     return res
+
+
+def handback_params(args: argparse.Namespace, policy: str) -> dict[str, Any]:
+    """``{"lane_handback": True}`` for a policy that takes it when ``--lane-handback`` is given, else ``{}``."""
+    import dataclasses
+
+    from shared.policies import POLICIES
+    if not getattr(args, "lane_handback", False) or policy.split("/")[0] not in POLICIES:
+        return {}
+    cls = POLICIES.get(policy.split("/")[0])
+    cfg = getattr(cls, "config_cls", None)
+    takes = cfg is not None and any(f.name == "lane_handback" for f in dataclasses.fields(cfg))
+    return {"lane_handback": True} if takes else {}
 
 
 def _usage(msg: str) -> int:
@@ -293,9 +304,8 @@ def run(args: argparse.Namespace) -> int:
     steering = getattr(args, "sim_steering", None)
     if steering and args.fidelity == "sim":
         return _usage("--sim-steering is for the mesh fidelities (the simulator service steers a live scheduler)")
-    if getattr(args, "lane_handback", False) and args.fidelity != "sim":
-        return _usage(f"--lane-handback is for --fidelity sim; the {args.fidelity} mesh's workers do not move a "
-                      "sequence's KV between devices")
+    if getattr(args, "lane_handback", False) and not any(handback_params(args, p) for p in policies):
+        return _usage(f"--lane-handback: none of {', '.join(policies)} takes lane_handback (slice does)")
     if steering == "both":
         policies = [f"{p}/steering-{v}" for p in policies for v in ("on", "off")]
     if args.confirm is not None and args.confirm < 1:

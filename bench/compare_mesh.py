@@ -14,6 +14,7 @@ from __future__ import annotations
 from services.launcher import MEASURE_ENV
 
 import argparse
+import json
 import re
 import tempfile
 import time
@@ -49,6 +50,8 @@ def _scheduler_metrics(redis_url: str, prefix: str) -> tuple[dict[str, float], d
     r = syncredis.Redis.from_url(redis_url, socket_timeout=2)
     try:
         port = r.hget(f"{prefix}health:scheduler:scheduler-0", "port")
+        # lane hand-offs the workers made (as the simulator's leases.handed_back)
+        handed = sum(int(r.hget(k, "handoffs_sent") or 0) for k in r.scan_iter(f"{prefix}health:worker:*"))
     finally:
         r.close()
     if not port:
@@ -61,6 +64,8 @@ def _scheduler_metrics(redis_url: str, prefix: str) -> tuple[dict[str, float], d
     out = {}
     for m in re.finditer(r'^slicesched_leases_total\{event="(\w+)"\} ([0-9.e+]+)$', text, re.M):
         out[m.group(1)] = float(m.group(2))
+    if handed:
+        out["handed_back"] = float(handed)
     steer = {m.group(1): float(m.group(2)) for m in re.finditer(  # (age: NaN, left out, when none was seen)
         r'^slicesched_scheduler_sim_steering_(version|factors|age_seconds) ([0-9.e+-]+)$', text, re.M)}
     return out, steer
@@ -93,7 +98,11 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
     if bad:
         raise ConfigError(cluster.source, "devices", f"fidelity {fidelity!r} needs {'/'.join(sorted(want))} devices; "
                                                       f"{', '.join(bad)} are not")
+    from bench.bench_compare import handback_params
+    params = handback_params(args, policy)
     policy, steer_env = steering_env(args, policy)
+    if params:  # the scheduler's policy parameters (--lane-handback)
+        steer_env = steer_env | {"SLICESCHED_POLICY_PARAMS": json.dumps(params)}
     if policy == "pooled-bound":
         raise ConfigError("--policies", "pooled-bound", "simulation-only bound: not run on a mesh")
     with tempfile.TemporaryDirectory(prefix=f"slicesched-{fidelity}-") as tmp:

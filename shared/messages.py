@@ -78,6 +78,41 @@ class LeaseGranted(Msg, frozen=True, kw_only=True):
     share: float = 1.0
     memory_bytes: int = 0
     mode: str = "segments"
+    # sequences mode: the guest hands each sequence to a home device of the tenant once its prompt is prefilled
+    # (its KV moves over the link and it decodes in the home's batch); kept on the guest when the home refuses
+    handback: bool = False
+
+
+class HandOff(Msg, frozen=True, kw_only=True):
+    """Guest lane -> a home worker of the request's tenant: continue ``request`` here (docs/guest-execution.md,
+    "Lane hand-off"). The sequence's KV is fetched from the guest's segment server (``request_id`` and ``token``)
+    on real backends; the rest of its state rides here. The home answers with :class:`HandOffReply`; the request's
+    journey hash changes owner only if its ``handoff`` field still holds ``token`` (the guest gives up by clearing
+    it), so exactly one worker continues the request."""
+
+    request: InferenceRequest
+    from_device: str
+    token: str
+    kv_blocks: int  # the guest's reservation (the home sizes its own from the prompt and max_tokens)
+    seq: int  # next token chunk number
+    started_ts: float
+    first_token_ts: float
+    completion_tokens: int
+    output: list[int]
+    computed: int
+    pending: str = ""
+    generator_state: bytes = b""
+    detok: list = []
+    transfer: str = "segment_server"  # segment_server (fetch the KV) | none (emulated: no tensors)
+
+
+class HandOffReply(Msg, frozen=True, kw_only=True):
+    """Home -> guest: the hand-off of ``request_id`` committed (``ok``) or was refused (``reason``)."""
+
+    request_id: str
+    token: str
+    ok: bool
+    reason: str = ""
 
 
 class LeaseRevoked(Msg, frozen=True, kw_only=True):
@@ -186,6 +221,19 @@ class RequestFinished(Msg, frozen=True, kw_only=True):
     e2e_ms: float = 0.0
 
 
+class RequestMoved(Msg, frozen=True, kw_only=True):
+    """A running request moved from ``from_device`` to ``device`` (a guest lane's hand-off): cancels go there,
+    and its KV reservation on ``from_device`` is already released."""
+
+    request_id: str
+    tenant: str
+    from_device: str
+    device: str
+    worker_id: str
+    kv_blocks: int
+    ts: float
+
+
 class DeviceDown(Msg, frozen=True, kw_only=True):
     device: str
     worker_id: str
@@ -195,9 +243,9 @@ class DeviceDown(Msg, frozen=True, kw_only=True):
 
 # ---------------------------------------------------------------- unions per stream
 RequestsMsg = Union[InferenceRequest, CancelRequest]
-WorkerMsg = Union[AssignRequest, CancelAssigned, LeaseGranted, LeaseRevoked]
+WorkerMsg = Union[AssignRequest, CancelAssigned, LeaseGranted, LeaseRevoked, HandOff, HandOffReply]
 TokensMsg = Union[TokenChunk, RequestError]
-EventsMsg = Union[WorkerHeartbeat, StepReport, RequestStarted, RequestFinished, DeviceDown]
+EventsMsg = Union[WorkerHeartbeat, StepReport, RequestStarted, RequestFinished, RequestMoved, DeviceDown]
 
 
 # ---------------------------------------------------------------- stream and group names

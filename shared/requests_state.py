@@ -83,3 +83,41 @@ class TerminalFence:
         # a claim decides who publishes the result: it must survive a failover of its master (WAIT)
         replies = await run_pipeline(self.redis, build, scripts=[_CLAIM], replicate=keys)
         return [bool(int(x)) for x in replies]
+
+
+# A guest lane's hand-off of a running request to a home worker (services/worker/handoff.py): the guest marks the
+# hash with a token while it owns the request; the home takes it over only while the token is there; the guest
+# gives up by clearing the token. Whichever script runs first decides, so exactly one worker continues it.
+# KEYS[1] req hash. begin ARGV: worker id (must own it), token
+HANDOFF_BEGIN = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if st ~= 'running' or redis.call('HGET', KEYS[1], 'worker_id') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'handoff', ARGV[2])
+return 1
+"""
+# commit ARGV: token, new worker id, new device, ts
+HANDOFF_COMMIT = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'running' or redis.call('HGET', KEYS[1], 'handoff') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'worker_id', ARGV[2], 'device', ARGV[3], 'moved_ts', ARGV[4])
+redis.call('HDEL', KEYS[1], 'handoff')
+return 1
+"""
+# abort ARGV: token
+HANDOFF_ABORT = """
+if redis.call('HGET', KEYS[1], 'handoff') ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[1], 'handoff')
+return 1
+"""
+_HANDOFF = {"begin": LuaScript(HANDOFF_BEGIN), "commit": LuaScript(HANDOFF_COMMIT), "abort": LuaScript(HANDOFF_ABORT)}
+
+
+async def handoff_step(redis, prefix: str, request_id: str, step: str, *args) -> bool:
+    """Run one step of the hand-off protocol (``begin`` worker_id token | ``commit`` token worker_id device ts |
+    ``abort`` token) on the request's hash; True if it took effect."""
+    script = _HANDOFF[step]
+    key = req_key(prefix, request_id)
+    replies = await run_pipeline(redis, lambda pipe: script.queue(pipe, [key], list(args)), scripts=[script],
+                                 replicate=[key])
+    return bool(int(replies[0]))

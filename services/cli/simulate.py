@@ -36,9 +36,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "default), sized (by average offered work, container-avgwork's sizing) or a containers file "
                         "(tenant -> devices or count, as `slicesched plan containers` writes)")
     p.add_argument("--step-by-step", action="store_true", help="no closed-form decode runs (slower; for checks)")
-    p.add_argument("--lane-handback", action="store_true",
-                   help="simulator only (workers do not do it yet): a guest lane hands each sequence it has prefilled "
-                        "to the lease's home device, which decodes it (prefill-only lanes; docs/simulator.md)")
     p.add_argument("--stop-above", type=fraction, default=None,
                    help="stop as soon as the run is known to violate more than this fraction (in aggregate or for a "
                         "tenant with >= 100 requests); its figures then cover the requests arrived so far")
@@ -127,19 +124,18 @@ def with_containers(w: Workload, homes: Mapping[str, Any] | None) -> Workload:
 def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict[str, Any] | None = None,
              seed: int | None = None, step_by_step: bool = False, progress: Any = None,
              containers: str | Mapping[str, Any] | None = "homes", stop_above: float | None = None,
-             anatomy_bin_s: float | None = None, lane_handback: bool = False) -> dict[str, Any]:
+             anatomy_bin_s: float | None = None) -> dict[str, Any]:
     """Run one simulation; returns the result dict with ``wall_s`` added. The policy gets the cluster file's
     ``policies.<name>`` overridden by ``params``, as the live scheduler does (:func:`policy_params`), and starts
     from the containers ``containers`` names (:func:`homes_for`). With ``anatomy_bin_s`` the result also holds
-    ``anatomy`` (:func:`shared.sim.anatomy.anatomy`: violations by cause, idle capacity during TTFT waits).
-    ``lane_handback``: :attr:`SimConfig.lane_handback` (simulator only; the result then says so)."""
+    ``anatomy`` (:func:`shared.sim.anatomy.anatomy`: violations by cause, idle capacity during TTFT waits)."""
     from shared.policies import POLICIES, make_policy, policy_params
     from shared.sim import SimConfig, Simulator
     w = with_containers(w, homes_for(containers, cluster, w))
     if getattr(POLICIES.get(policy_name), "analytic", False):
         return ceiling_result(cluster, w, policy_name)
     policy = make_policy(policy_name, policy_params(policy_name, cluster.policy_params.get(policy_name), params))
-    cfg = SimConfig(closed_form=not step_by_step, lane_handback=lane_handback)
+    cfg = SimConfig(closed_form=not step_by_step)
     rng = random.Random(w.seed if seed is None else seed)
     t0 = time.perf_counter()
     sim = Simulator(cluster, w.tenants, policy, cfg, rng)
@@ -154,9 +150,6 @@ def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict
         from shared.sim.anatomy import anatomy
         out["anatomy"] = anatomy(sim, w, anatomy_bin_s)
     out["homes"] = {t.name: list(t.home_devices) for t in w.tenants.tenants}
-    if lane_handback:
-        from shared.sim.simulator import LANE_HANDBACK_LABEL
-        out["lane_handback"] = LANE_HANDBACK_LABEL
     out["wall_s"] = time.perf_counter() - t0
     out["events_per_s"] = out["events"] / out["wall_s"] if out["wall_s"] > 0 else 0.0
     return out
@@ -204,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     bar, update = _bar(show)
     try:
         out = simulate(cluster, w, args.policy, params, args.seed, args.step_by_step, update, args.containers,
-                       args.stop_above, lane_handback=args.lane_handback)
+                       args.stop_above)
     except (UnknownNameError, PolicyConfigError) as e:
         print(f"slicesched simulate: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from shared.gmg.keys import GMGKeys
 from shared.gmg.mutations import MutationBatch
-from shared.messages import DeviceDown, RequestFinished, RequestStarted, StepReport, WorkerHeartbeat
+from shared.messages import DeviceDown, RequestFinished, RequestMoved, RequestStarted, StepReport, WorkerHeartbeat
 
 HEARTBEAT_TIMEOUT_S = 3.0
 BUSY_KEEP_S = 10.0  # busy intervals kept per device (what forecasts look back on)
@@ -81,6 +81,8 @@ class GMGCore:
             return self._started(msg, dev)
         if isinstance(msg, RequestFinished):
             return self._finished_req(msg, dev)
+        if isinstance(msg, RequestMoved):
+            return self._moved(msg, dev)
         if isinstance(msg, DeviceDown):
             return self._down(msg, dev)
         return None
@@ -143,6 +145,19 @@ class GMGCore:
         b.hset(self.keys.exec_state(m.device), {"last_finished_ts": f"{m.ts:.6f}"})
         b.add("hincrby", self.keys.exec_state(m.device), "finished_total", 1)
         return "request_finished", b
+
+    def _moved(self, m: RequestMoved, dev: DeviceLive) -> tuple[str, MutationBatch] | None:
+        """A guest lane's hand-off: the request runs on ``device`` now, no longer on ``from_device``."""
+        if m.request_id in self._finished or m.request_id in dev.running:
+            return None
+        src = self.devices.get(m.from_device)
+        if src is not None:
+            src.running.discard(m.request_id)
+        dev.running.add(m.request_id)
+        b = self.batch().add("hdel", self.keys.requests(m.from_device), m.request_id)
+        b.hset(self.keys.requests(m.device), {m.request_id: f"{m.tenant}|running|{m.ts:.6f}"})
+        b.add("hincrby", self.keys.exec_state(m.device), "moved_in_total", 1)
+        return "request_moved", b
 
     def _down(self, m: DeviceDown, dev: DeviceLive) -> tuple[str, MutationBatch] | None:
         if dev.state == "down":

@@ -240,7 +240,8 @@ class LeaseManager:
             missing = {s: self._seg_bytes[g.tenant][s] for s in g.segments}
         lid = uuid.uuid4().hex[:12]
         lease = Lease(lid, g.tenant, g.guest_device, tuple(g.segments), now, now + g.duration_s,
-                      self.activation_bytes, home=g.home_device, share=g.share, mode=g.mode)
+                      self.activation_bytes, home=g.home_device, share=g.share, mode=g.mode,
+                      handback=getattr(g, "handback", False))
         # one commit stages what this scheduler has not seen resident there and commits the lease, evicting in
         # the same script the cached weights of ended leases (least recently leased first) it needs the memory of;
         # if its view was stale (evicted or staged by someone else meanwhile), one more after reading residency
@@ -263,12 +264,12 @@ class LeaseManager:
         self._last_used.setdefault(g.guest_device, {}).update({f"{g.tenant}|{s}": now for s in missing})
         st = LeaseState(lid, g.tenant, g.home_device, g.guest_device, tuple(g.segments), now, now + g.duration_s,
                         g.memory_bytes + self.activation_bytes, g.share, mode=getattr(g, "mode", "segments"),
-                        state="active")
+                        state="active", handback=getattr(g, "handback", False))
         self.active[lid] = st
         self.granted += 1
         msg = dict(lease_id=lid, tenant=g.tenant, home_device=g.home_device, guest_device=g.guest_device,
                    segments=list(g.segments), start_ts=now, end_ts=now + g.duration_s, share=g.share,
-                   memory_bytes=st.memory_bytes, mode=st.mode)
+                   memory_bytes=st.memory_bytes, mode=st.mode, handback=st.handback)
         log.info("lease_granted", tenant=g.tenant, lease_id=lid, home=g.home_device, guest=g.guest_device,
                  segments=",".join(g.segments), share=round(g.share, 2), mode=st.mode)
         return st, [(worker_stream(self.p, d), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))
@@ -332,7 +333,7 @@ class LeaseManager:
         await pipe.execute()
         msg = dict(lease_id=lease_id, tenant=st.tenant, home_device=st.home_device, guest_device=st.guest_device,
                    segments=list(st.segments), start_ts=st.start_s, end_ts=st.end_s, share=st.share,
-                   memory_bytes=st.memory_bytes, mode=st.mode)
+                   memory_bytes=st.memory_bytes, mode=st.mode, handback=st.handback)
         await self.producer.add_many([(worker_stream(self.p, d), LeaseGranted(msg_id=uuid.uuid4().hex, **msg))
                                       for d in (st.guest_device, st.home_device)])
         self.extended += 1

@@ -13,7 +13,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from shared.config import ClusterConfig, Settings, TenantsConfig
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.messages import (GROUP_SCHEDULER, AssignRequest, CancelAssigned, CancelRequest, EventsMsg,
-                             InferenceRequest, RequestError, RequestFinished, RequestsMsg, WorkerHeartbeat,
+                             InferenceRequest, RequestError, RequestFinished, RequestMoved, RequestsMsg,
+                             WorkerHeartbeat,
                              dead_stream, events_stream, requests_stream, tokens_stream, worker_stream)
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
 from shared.requests_state import (TERMINAL_STATES, TERMINAL_TTL_S, TerminalFence, assigned_key, req_key,
@@ -345,6 +346,8 @@ class SchedulerService:
         if isinstance(msg, RequestFinished):
             await self._finished(msg.request_id, msg.device, "done" if msg.outcome in ("stop", "length")
                                  else msg.outcome if msg.outcome in ("cancelled", "failed") else "done")
+        elif isinstance(msg, RequestMoved):
+            await self._moved(msg)
         elif isinstance(msg, WorkerHeartbeat):
             self._hb_seen[msg.device] = max(self._hb_seen.get(msg.device, 0.0), msg.ts)
             v = self.devices.get(msg.device)
@@ -365,6 +368,22 @@ class SchedulerService:
         v = self.devices.get(device)
         if v is not None and a is not None:
             v.assigned = max(0, v.assigned - 1)
+        self.wake.set()
+
+    async def _moved(self, m: RequestMoved) -> None:
+        """A guest lane handed a running request to a home worker: its record (cancels, KV release, a dead
+        worker's requests) follows it; the guest's KV reservation is released (the home reserved its own)."""
+        await self.gmg.release(m.from_device, f"kv:{m.request_id}")
+        await self.redis.srem(assigned_key(self.p, m.from_device), m.request_id)
+        a = self.assigned.get(m.request_id)
+        if a is None or a[0] != m.from_device:
+            return  # ended (or moved) meanwhile: the home's own finish releases its reservation
+        self.assigned[m.request_id] = (m.device, a[1], m.worker_id)
+        await self.redis.sadd(assigned_key(self.p, m.device), m.request_id)
+        for dev, k in ((m.from_device, -1), (m.device, 1)):
+            v = self.devices.get(dev)
+            if v is not None:
+                v.assigned = max(0, v.assigned + k)
         self.wake.set()
 
     # ------------------------------------------------------------ device health

@@ -175,7 +175,7 @@ class Twin:
                 decode_kv_tokens=sum(s.ctx for s in seqs), busy=bool(seqs or queued),
                 guest_share=shares.get(did, 0.0), resident=staged, draining=d.state in ("draining", "down"))
         leases = {lid: LeaseState(lid, x.tenant, x.home, x.guest, x.segments, x.start_ts, x.end_ts, x.nbytes,
-                                  x.share, mode=x.mode, state="active") for lid, x in snap.leases.items()}
+                                  x.share, mode=x.mode, state="active", handback=x.handback) for lid, x in snap.leases.items()}
         tenants = {}
         for t in self.tenants.tenants:
             mi, mo = self.means(t.name)

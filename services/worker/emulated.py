@@ -15,6 +15,8 @@ import random
 import sys
 import time
 
+import torch
+
 from shared.config import ConfigError, Settings, env_number, home_tenant_of, load_cluster, load_tenants
 from shared.costmodel import cost_for
 from shared.logging import setup_logging
@@ -26,7 +28,9 @@ from shared.model.tokenizer import load_tokenizer
 
 
 class _AccountingKV:
-    """KV cache that only accounts blocks (no tensors)."""
+    """KV cache that only accounts blocks (no tensors: a hand-off exports none)."""
+
+    layers: tuple = ()
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int) -> None:
         self.bytes_per_block = cfg.kv_bytes_per_token() * block_size
@@ -37,6 +41,9 @@ class _AccountingKV:
 
     def free(self, seq: str) -> int:
         return self.allocator.free(seq)
+
+    def seq_slots(self, seq: str) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.long)
 
 
 class _EmulatedModel:

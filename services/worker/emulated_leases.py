@@ -17,6 +17,7 @@ the cost model only (no tensors move; everything here is emulated).
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from shared.config import ClusterConfig, DeviceConfig, TenantConfig, TenantsConfig
-from shared.costmodel import cost_for
+from shared.costmodel import cost_for, load_profile, transfer_time
 from shared.messages import LeaseGranted, LeaseRevoked
 from shared.model.engine import StepResult
 from shared.costmodel.offload import OffloadPart, OffloadTiming, offloaded_iteration_time
@@ -82,8 +83,20 @@ class EmulatedLeaseAgent:
         if peers is not None:
             peers.add(self)
 
+    kv_transfer = "none"  # no tensors: a hand-off's KV costs the link's time (fetch_kv)
+    kv_exports = None
+
     async def start(self) -> None:
         log.info("lease_agent_emulated", device=self.device.id)
+
+    async def fetch_kv(self, device: str, q, msg) -> list:
+        """A lane hand-off's KV on emulated devices: no tensors; waits the time the sending device's link takes
+        for the sequence's KV (``computed`` positions of the tenant's model), scaled like its iterations."""
+        sender = self.cluster.device(device)
+        nbytes = msg.computed * self.tenants.get(msg.request.tenant).model.config.kv_bytes_per_token()
+        dt = transfer_time(load_profile(sender.kind), self.cluster.link_kind(device, self.device.id), nbytes)
+        await asyncio.sleep(dt * getattr(self.engine, "time_scale", 1.0))
+        return []
 
     async def close(self) -> None:
         self.engine.time_hook = None

@@ -35,6 +35,11 @@ class Lane:
     def accepting(self) -> bool:
         return self.engine is not None and bool(self.leases)
 
+    @property
+    def handback(self) -> bool:
+        """Whether its sequences go home once prefilled (a lease granted with ``handback``)."""
+        return any(getattr(m, "handback", False) for m in (*self.leases.values(), *self.draining.values()))
+
     def share(self) -> float:
         """The active leases' share; with none, the ended leases' while sequences admitted under them run."""
         active = sum(m.share for m in self.leases.values())
@@ -88,6 +93,10 @@ class GuestLanes:
     def engine_for(self, tenant: str):
         lane = self.lanes.get(tenant)
         return lane.engine if lane is not None and lane.accepting else None
+
+    def hands_back(self, engine) -> bool:
+        """Whether ``engine`` is a lane's whose sequences go home once prefilled."""
+        return any(lane.engine is engine and lane.handback for lane in self.lanes.values())
 
     def owner_of(self, request_id: str):
         for lane in self.lanes.values():

@@ -27,7 +27,7 @@ from services.worker.device_lock import DeviceLock
 from services.worker.driver import DriverLink, DriverOptions, HomeWeights, LeaseRemote, fetch_weights
 from services.worker.guest import GuestHost, GuestLease, StagedWeights
 from services.worker.segment_server import SegmentClient, SegmentServer, TensorMover
-from services.worker.segment_wire import FrameError, LeaseStatusQuery, WeightsQuery
+from services.worker.segment_wire import FrameError, KVQuery, LeaseStatusQuery, WeightsQuery
 from shared.config import ClusterConfig, ConfigError, DeviceConfig, TenantConfig, TenantsConfig, env_number
 from shared.gmg import GMGStore, Refused
 from shared.gmg.lease_store import LeaseStore
@@ -95,6 +95,8 @@ class LeaseAgent:
         self.server: SegmentServer | None = None
         self.guest: GuestHost | None = None
         self.home_weights: HomeWeights | None = None
+        self.kv_exports = None  # the worker's KVExports (lane hand-off): sequences whose KV a home may fetch
+        self.kv_transfer = "segment_server"
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -151,6 +153,8 @@ class LeaseAgent:
         """The segment server's handler: guest calls and status, or weight fetches served as home."""
         if isinstance(msg, WeightsQuery):
             return self.home_weights.handle(msg)  # type: ignore[union-attr]
+        if isinstance(msg, KVQuery) and self.kv_exports is not None:
+            return self.kv_exports.handle(msg, self.mover)
         return self.guest.handle(msg, payload)  # type: ignore[union-attr]
 
     # ---------------------------------------------------------------- messages
@@ -254,6 +258,21 @@ class LeaseAgent:
                 backoff = min(backoff * 2, 1.0)
         if link.state != "ended":
             self._end_link(link, "window_ended")
+
+    async def fetch_kv(self, device: str, q: KVQuery, msg=None) -> list:
+        """The KV of a sequence ``device`` hands to this worker, over its segment server and the tensor transport."""
+        from services.worker.handoff import fetch_kv
+        addr = await self._peer_addr(device)
+        if not addr:
+            raise ConnectionError(f"no segment_addr for {device}")
+
+        def run() -> list:
+            client = SegmentClient(addr)
+            try:
+                return fetch_kv(client, self.mover, q)
+            finally:
+                client.close()
+        return await asyncio.to_thread(run)
 
     # ---------------------------------------------------------------- guest staging source
     def _weight_source(self, lease: GuestLease, segment: str):

@@ -87,7 +87,30 @@ class WeightTensor(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     error: str = ""  # unknown_lease | not_home | bad_request
 
 
-SegmentFrame = Union[SegmentCall, SegmentResult, LeaseStatusQuery, LeaseStatusReply, WeightsQuery, WeightTensor]
+class KVQuery(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A home worker asks a guest for the KV of a sequence the guest is handing to it (:class:`HandOff`)."""
+
+    request_id: str
+    token: str
+    home_device: str
+
+
+class KVTensor(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """One layer's K or V of a :class:`KVQuery` reply (``[kv_heads, positions, head_dim]``); ``last`` marks the
+    final one. An empty reply (``last`` and no ``kind``) is a sequence without tensors."""
+
+    request_id: str
+    layer: int = 0
+    kind: str = ""  # k | v
+    shape: list[int] = []
+    dtype: str = ""
+    handle: TensorHandle | None = None
+    last: bool = True
+    error: str = ""  # unknown_sequence
+
+
+SegmentFrame = Union[SegmentCall, SegmentResult, LeaseStatusQuery, LeaseStatusReply, WeightsQuery, WeightTensor,
+                     KVQuery, KVTensor]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SegmentFrame)
 

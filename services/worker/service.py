@@ -15,16 +15,17 @@ from prometheus_client import Counter, Gauge
 
 from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig, TenantsConfig, env_number
 from shared.gmg import GMGStore, Refused, Reservation
-from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, LeaseGranted, LeaseRevoked, RequestError,
-                             RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg, dead_stream, events_stream,
+from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, HandOff, HandOffReply, LeaseGranted,
+                             LeaseRevoked, RequestError, RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg, dead_stream, events_stream,
                              tokens_stream, worker_stream)
-from shared.model.engine import Engine, SamplingParams
+from shared.model.engine import Engine
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
 from shared.requests_state import TERMINAL_STATES, TerminalFence, req_key
 from shared.service import ServiceShell, instance_id, run_tasks
 from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.worker.core import StepAggregator, Tracker
 from services.worker.direct_publish import DirectPublisher
+from services.worker.handoff import HandOffs, sampling_params
 
 log = structlog.get_logger()
 
@@ -42,7 +43,8 @@ class WorkerService:
         self.s, self.cluster, self.device, self.tenant, self.engine = settings, cluster, device, tenant, engine
         self.lanes = lanes  # GuestLanes for "sequences" leases (services/worker/lanes.py), or None
         self.engine_of: dict[str, Engine] = {}  # request id -> the engine running it (home or a guest lane)
-        self.configured = {t.name for t in tenants.tenants} if tenants is not None else {tenant.name}
+        self.tenants_by_name = {t.name: t for t in tenants.tenants} if tenants is not None else {tenant.name: tenant}
+        self.configured = set(self.tenants_by_name)
         self.p = settings.prefix
         self.worker_id = instance_id(f"worker-{device.id}")
         self.redis = command_client(settings.redis_url, name=f"worker-{device.id}")
@@ -70,6 +72,9 @@ class WorkerService:
         self.lease_agent = None  # guest execution (services/worker/lease_agent.py) when the backend supports it
         if tenants is not None:
             self.lease_agent = self._make_lease_agent(tenants, lease_options)
+        self.handoffs = HandOffs(self)  # guest lanes handing prefilled sequences home (services/worker/handoff.py)
+        if self.lease_agent is not None:
+            self.lease_agent.kv_exports = self.handoffs.exports
         self._busy_s = 0.0
         self._busy_mark = time.monotonic()
         reg = self.shell.registry
@@ -104,6 +109,7 @@ class WorkerService:
                             self.shell.heartbeat_loop(extra=self._health_extra), *extra)
             await self._drain()
         finally:
+            await self.handoffs.close()
             self.compute.shutdown(wait=False, cancel_futures=True)
             if self.direct is not None:
                 self.direct.close()
@@ -131,13 +137,17 @@ class WorkerService:
         """A guest-lane iteration holds the device like home work, so leased segments never run concurrently."""
         lock = getattr(self.lease_agent, "lock", None)
         if lock is None:
-            return eng.step()
-        with lock.home():
-            return eng.step()
+            res = eng.step()
+        else:
+            with lock.home():
+                res = eng.step()
+        if self.lanes is not None and self.lanes.hands_back(eng):
+            self.handoffs.pause_first_tokens(eng, res.events)
+        return res
 
     def _health_extra(self) -> dict:
         # ``tenant``: the GMG's start-up reconciliation refuses to remove the state of a tenant a live worker serves
-        extra = {"tenant": self.tenant.name}
+        extra = {"tenant": self.tenant.name, **{f"handoffs_{k}": v for k, v in self.handoffs.stats.items()}}
         if self.lease_agent is not None:
             extra.update(self.lease_agent.health_fields())
         return extra
@@ -197,6 +207,11 @@ class WorkerService:
             await self.redis.hset(req_key(self.p, rid), mapping={"state": "running", "running_ts": time.time(),
                                                                  "worker_id": self.worker_id})
             return DEFER  # acked when the request ends
+        if isinstance(msg, HandOff):
+            return await self.handoffs.receive(d.entry_id, msg)
+        if isinstance(msg, HandOffReply):
+            self.handoffs.on_reply(msg)
+            return ACK
         if isinstance(msg, LeaseGranted) and msg.mode == "sequences":
             if msg.guest_device == self.device.id and self.lanes is not None:
                 self.lanes.on_granted(msg)
@@ -342,13 +357,9 @@ class WorkerService:
         for kind, msg in ops:
             if kind == "add":
                 r = msg.request
-                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                        seed=r.seed, stop=tuple(r.stop), ignore_eos=r.ignore_eos, top_k=r.top_k,
-                                        presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
-                                        repetition_penalty=r.repetition_penalty, logprobs=r.logprobs,
-                                        stop_token_ids=tuple(r.stop_token_ids))
                 try:
-                    self.engine_of.get(r.request_id, self.engine).add(r.request_id, list(r.prompt_ids), params)
+                    self.engine_of.get(r.request_id, self.engine).add(r.request_id, list(r.prompt_ids),
+                                                                      sampling_params(r))
                 except ValueError as e:
                     await self._end(r.request_id, "failed", error=(400, "invalid_request", str(e)))
                     continue
@@ -387,6 +398,8 @@ class WorkerService:
             finally:
                 with self._pending_lock:
                     self._loop_pending -= 1
+            if self.handoffs.ready:
+                self.handoffs.published(events)
 
     async def _publish(self, items: list, finished: list[tuple[str, str]]) -> None:
         """Claim the finished requests' terminal state, publish the chunks, end the requests; retried on Redis
@@ -429,21 +442,32 @@ class WorkerService:
             prompt_tokens=len(t.req.prompt_ids), completion_tokens=t.completion_tokens, kv_blocks=t.kv_blocks, ts=now,
             ttft_ms=(t.first_token_ts - t.started_ts) * 1000 if t.first_token_ts else 0.0,
             e2e_ms=(now - t.started_ts) * 1000)
+
+        async def end() -> None:  # every step is idempotent (same claimant, same msg ids)
+            if err_msg is not None:
+                if await self.fence.claim(rid, "failed"):
+                    await self.producer.add(tokens_stream(self.p, t.req.gateway), err_msg, maxlen=TOKENS_MAXLEN,
+                                            durable=True)
+                else:
+                    self.m_fenced.labels(self.device.id).inc()
+            # durable: the scheduler releases the request's KV on it, and the entry is acked next
+            await self.producer.add(events_stream(self.p), fin, maxlen=EVENTS_MAXLEN, durable=True)
+            await self.consumer.ack(t.entry_id)
+        await self.retrying(end, "request_end_retry", request_id=rid)
+
+    async def ack_retrying(self, entry_id: str) -> None:
+        """Ack an entry of this worker's stream, through Redis trouble."""
+        await self.retrying(lambda: self.consumer.ack(entry_id), "ack_retry", entry_id=entry_id)
+
+    async def retrying(self, op, event: str, **fields) -> None:
+        """Await ``op()`` until it gets through Redis trouble (backing off to 2 s); given up 5 s into a stop."""
         delay, t0 = 0.1, time.monotonic()
-        while True:  # retried through Redis trouble: every step is idempotent (same claimant, same msg ids)
+        while True:
             try:
-                if err_msg is not None:
-                    if await self.fence.claim(rid, "failed"):
-                        await self.producer.add(tokens_stream(self.p, t.req.gateway), err_msg, maxlen=TOKENS_MAXLEN,
-                                                durable=True)
-                    else:
-                        self.m_fenced.labels(self.device.id).inc()
-                # durable: the scheduler releases the request's KV on it, and the entry is acked next
-                await self.producer.add(events_stream(self.p), fin, maxlen=EVENTS_MAXLEN, durable=True)
-                await self.consumer.ack(t.entry_id)
+                await op()
                 return
             except REDIS_ERRORS as e:
-                log.warning("request_end_retry", request_id=rid, error=repr(e))
+                log.warning(event, error=repr(e), **fields)
                 if self.shell.stop.is_set() and time.monotonic() - t0 > 5:
                     return
                 await asyncio.sleep(delay)

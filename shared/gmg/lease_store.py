@@ -35,18 +35,20 @@ class Lease:
     home: str = ""  # the driver device that sends the activations
     share: float = 1.0  # most of the guest's time the lease may take while the guest's own tenant is busy
     mode: str = "segments"  # segments | sequences (DESIGN §4 second mode; segments == ("*",))
+    handback: bool = False  # sequences: prefilled sequences go home (lane hand-off)
 
     def fields(self, state: str = "active") -> dict[str, str]:
         return {"id": self.lease_id, "tenant": self.tenant, "guest": self.guest, "home": self.home,
                 "segments": ",".join(self.segments), "start_ts": f"{self.start_ts:.6f}",
                 "end_ts": f"{self.end_ts:.6f}", "nbytes": str(int(self.nbytes)), "share": f"{self.share:.4f}",
-                "mode": self.mode, "state": state, "created_ts": f"{time.time():.6f}"}
+                "mode": self.mode, "handback": "1" if self.handback else "0", "state": state,
+                "created_ts": f"{time.time():.6f}"}
 
     @classmethod
     def from_fields(cls, h: dict[str, str]) -> "Lease":
         return cls(h["id"], h["tenant"], h["guest"], tuple(s for s in h.get("segments", "").split(",") if s),
                    float(h["start_ts"]), float(h["end_ts"]), int(h["nbytes"]), h.get("home", ""),
-                   float(h.get("share") or 1.0), h.get("mode") or "segments")
+                   float(h.get("share") or 1.0), h.get("mode") or "segments", h.get("handback") == "1")
 
 
 def lease_owner(lease_id: str) -> str:

@@ -135,6 +135,7 @@ class Engine:
         self._segments = list(model.segments)
         self._waiting: OrderedDict[str, _Seq] = OrderedDict()
         self._running: OrderedDict[str, _Seq] = OrderedDict()
+        self._paused: set[str] = set()  # running sequences left out of steps while they are being handed over
         # every id that ends generation: the tokenizer's EOS list and the model config's (generation_config.json)
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ()) | frozenset(model.cfg.eos_token_ids)
 
@@ -171,7 +172,7 @@ class Engine:
         return list(self._waiting)
 
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._waiting) or len(self._running) > len(self._paused)
 
     def prefill_backlog(self) -> tuple[int, list[str]]:
         """(prompt tokens not yet prefilled, ids of the requests they belong to); safe to call from another
@@ -216,10 +217,22 @@ class Engine:
         if self._waiting.pop(request_id, None) is not None:
             return True
         if self._running.pop(request_id, None) is not None:
+            self._paused.discard(request_id)
             self.kv.free(request_id)
             self._admit()
             return True
         return False
+
+    def pause(self, request_id: str) -> bool:
+        """Leave a running sequence out of the steps (its KV stays reserved) until :meth:`resume` or
+        :meth:`cancel`; False if it is not running."""
+        if request_id not in self._running:
+            return False
+        self._paused.add(request_id)
+        return True
+
+    def resume(self, request_id: str) -> None:
+        self._paused.discard(request_id)
 
     def export_sequence(self, request_id: str) -> SequenceState:
         """A copy of a running sequence that has its first token (its prompt prefilled), for
@@ -283,7 +296,8 @@ class Engine:
     # ---------------------------------------------------------------- step
     def _plan(self) -> list[tuple[_Seq, SeqChunk]]:
         budget, plan = self.max_batch_tokens, []
-        decoding = [s for s in self._running.values() if not s.prefilling]
+        paused = self._paused
+        decoding = [s for s in self._running.values() if not s.prefilling and s.request_id not in paused]
         for seq in decoding[:budget]:  # decode tokens first: they form the batched decode group
             plan.append((seq, SeqChunk(seq.request_id, seq.computed, 1)))
         budget -= len(plan)
@@ -291,7 +305,7 @@ class Engine:
             for seq, _ in plan:
                 self._running.move_to_end(seq.request_id)
         for seq in self._running.values():
-            if budget and seq.prefilling:
+            if budget and seq.prefilling and seq.request_id not in paused:
                 n = min(len(seq.prompt) - seq.computed, budget)
                 plan.append((seq, SeqChunk(seq.request_id, seq.computed, n)))
                 budget -= n

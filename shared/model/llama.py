@@ -21,6 +21,20 @@ from shared.model.graph import parse_segment, segment_names
 from shared.model.kv_cache import PagedKVCache
 
 HEAD_BLOCK = 1024  # vocabulary rows per block of the head GEMM (LlamaModel._head)
+SILU_ALIGN = 64  # elements: SiLU runs over a multiple of this (see silu_rows)
+
+
+def silu_rows(x: Tensor) -> Tensor:
+    """``F.silu(x)`` whose rows do not depend on the other rows: the CPU kernel computes whole vectors with one
+    formula and a tail shorter than two vectors with another (last-bit differences), so a row's values would depend
+    on where the tensor ends; padded to :data:`SILU_ALIGN` elements every row takes the vector formula (a
+    micro-batch's MLP then equals the whole batch's bit for bit; docs/guest-execution.md, "Identical tokens")."""
+    n = x.numel()
+    if n % SILU_ALIGN == 0 or x.device.type != "cpu":
+        return F.silu(x)
+    buf = x.new_zeros(n + SILU_ALIGN - n % SILU_ALIGN)
+    buf[:n] = x.reshape(-1)
+    return F.silu(buf)[:n].view(x.shape)
 
 Tensor = torch.Tensor
 
@@ -270,7 +284,7 @@ class LlamaModel:
 
     def _mlp(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
         n = self._rmsnorm(x, w["norm"])
-        return x + (F.silu(n @ w["gate"]) * (n @ w["up"])) @ w["down"]
+        return x + (silu_rows(n @ w["gate"]) * (n @ w["up"])) @ w["down"]
 
     def _attn(self, layer: int, w: dict[str, Tensor], x: Tensor, ctx: BatchContext) -> Tensor:
         nh, kvh, hd = self._nh, self._kvh, self._hd

@@ -51,6 +51,7 @@ class GrantLease:
     memory_bytes: int
     predicted_gain_s: float = 0.0
     mode: str = "segments"  # segments: MLP blocks of the home's batch; sequences: new sequences run on the guest
+    handback: bool = False  # sequences: each sequence goes home once its prompt is prefilled (lane hand-off)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ they pin.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ class SliceConfig(PolicyConfig):
     sequences: bool = True  # also consider the second mode
     segments: bool = True  # consider "segments" leases (MLP offload); off where they do not pay (CPU meshes)
     max_sequence_leases: int = 8  # per home device
+    lane_handback: bool = False  # sequences leases hand each prefilled sequence home (docs/guest-execution.md)
     share_max: float = 0.6  # most of a busy guest's time one lease may take
     min_share: float = 0.1
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit
@@ -338,7 +341,7 @@ class SlicePolicy(Policy):
                 gcost = whatif.cost(t, g.kind)
                 mem = 0 if (tenant, "*") in g.resident else gcost.weight_bytes
                 grants.append(GrantLease(tenant, d.id, g.id, ("*",), cfg.sequence_lease_s, share, mem,
-                                         mode="sequences"))
+                                         mode="sequences", handback=cfg.lane_handback))
         if not grants:
             return None
         self.decisions += 1
@@ -358,8 +361,7 @@ class SlicePolicy(Policy):
                     continue
                 lanes_left -= 1
             c = r.candidate
-            picked.append(GrantLease(c.tenant, c.home_device, c.guest_device, c.segments, c.duration_s, c.share,
-                                     c.memory_bytes, predicted_gain_s=r.home_iter_s - r.leased_iter_s, mode=c.mode))
+            picked.append(dataclasses.replace(c, predicted_gain_s=r.home_iter_s - r.leased_iter_s))
             guests.add(c.guest_device)
             if len(picked) >= cfg.max_commits:
                 break

@@ -85,6 +85,7 @@ class LeaseState:
     share: float
     mode: str = "segments"  # segments: MLP blocks of the home's batch run on the guest; sequences: whole ones
     state: str = "staging"  # staging | active | ended | revoked
+    handback: bool = False  # sequences: prefilled sequences go home (lane hand-off)
 
 
 class LeaseTable(dict):

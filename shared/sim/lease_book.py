@@ -133,13 +133,14 @@ class LeaseBook:
                          a.share, now, now + a.duration_s, act)
         lease.staged_new_bytes = new_bytes
         lease.mode = a.mode
+        lease.handback = getattr(a, "handback", False)
         self.leases[lid] = lease
         guest.hosted.append(lease)
         guest.state.guest_share = guest.committed_share()
         self.stats["granted"] += 1
         self.stats["staged_bytes"] += new_bytes
         sim.snapshot.leases[lid] = LeaseState(lid, a.tenant, home.id, guest.id, tuple(a.segments), now, lease.end,
-                                              new_bytes + act, a.share, mode=a.mode)
+                                              new_bytes + act, a.share, mode=a.mode, handback=lease.handback)
         sim.push(lease.end, LEASE_END, lease)
         if done <= now:
             self.activate(lease)
@@ -160,7 +161,7 @@ class LeaseBook:
                                        else cost_for(sim.model_of(src.tenant), guest.kind), sim.cfg,
                                        sim._on_first_token, sim._on_finish, 0))
             lane.engines[0].tpot_s, lane.engines[0].ttft_s = src.tpot_s, src.ttft_s
-            if sim.cfg.lane_handback:
+            if lease.handback:
                 lane.engines[0].handback = lambda r, now, lease=lease: self._handback(lease, r, now)
         else:
             lease.engine.offload.append(lease)
@@ -204,7 +205,7 @@ class LeaseBook:
 
     def _handback(self, lease: SimLease, r, now: float) -> bool:
         """A lane finished ``r``'s prompt: its KV moves over the link to the lease's home device, which decodes it
-        in its own batch from its first step after the transfer (``SimConfig.lane_handback``). False (the lane keeps
+        in its own batch from its first step after the transfer (a lease granted with ``handback``). False (the lane keeps
         it) when the home engine is draining or the KV does not fit there."""
         home = lease.engine
         if home.draining:

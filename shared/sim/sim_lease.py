@@ -16,7 +16,8 @@ class SimLease:
     """Tenant ``engine.tenant`` runs ``segments`` on ``guest_dev`` during [start, end) with ``share`` of its time."""
 
     __slots__ = ("lid", "engine", "guest_dev", "segments", "part", "share", "start", "end", "state", "act_bytes",
-                 "guest_busy_s", "link_bytes", "staged_new_bytes", "active_from", "mode", "lane")
+                 "guest_busy_s", "link_bytes", "staged_new_bytes", "active_from", "mode", "lane",
+                 "handback")
 
     def __init__(self, lid: str, engine: "SimReplica", guest_dev: "SimDevice", segments: tuple[str, ...],
                  part: OffloadPart, share: float, start: float, end: float, act_bytes: int) -> None:
@@ -30,6 +31,7 @@ class SimLease:
         self.active_from = start
         self.mode = "segments"
         self.lane = None  # sequences mode: the guest lane running the tenant's sequences
+        self.handback = False  # sequences mode: prefilled sequences go home (GrantLease.handback)
 
     @property
     def tenant(self) -> str:

@@ -29,7 +29,6 @@ from shared.sim.request import FAILED, REJECTED, SimRequest
 from shared.workload import Workload
 
 STEP, TICK, STAGE_DONE, LEASE_END, RELOAD_DONE, KV_MOVED = 0, 1, 2, 3, 4, 5
-LANE_HANDBACK_LABEL = "simulator only: guest lanes hand prefilled sequences to the home device"  # results say it
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,6 @@ class SimConfig:
     drain_s: float = 300.0  # stop this long after the last arrival; unfinished requests count as failed
     timeline_points: int = 400
     guest_lanes: str = "exclusive"  # "exclusive": lane iterations take the whole device in turn; "fluid": older model
-    # A guest lane hands each sequence it has prefilled to its lease's home device, which decodes it in its own
-    # batch once its KV has crossed the link (prefill-only lanes); kept on the lane when its KV does not fit at
-    # home. Simulator only: workers do not move a sequence's KV between devices yet (docs/simulator.md).
-    lane_handback: bool = False
 
 
 class Simulator:

@@ -129,3 +129,31 @@ def test_import_refusals_change_nothing(model2):
     with pytest.raises(ValueError, match="does not match"):
         wrong.import_sequence(state)
     assert wrong.kv_blocks_free == wrong.kv_blocks_total and not wrong.has_work()
+
+
+def test_a_paused_sequence_waits_and_resumes_exactly(model2):
+    """While a hand-over is in flight the guest leaves the sequence out of its steps (KV kept); a refused
+    hand-over resumes it with the tokens it would have produced anyway."""
+    tok = ByteTokenizer(model2.cfg)
+    params = {"p": SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
+              "o": SamplingParams(max_tokens=6, ignore_eos=True)}
+    prompts = {"p": tok.encode("pause me"), "o": tok.encode("others go on")}
+    ref = _reference(model2, tok, prompts, params)
+    eng = Engine(model2, tok, kv_blocks=64, block_size=4, max_batch_tokens=8)
+    for rid, p in prompts.items():
+        eng.add(rid, p, params[rid])
+    toks: dict = {}
+    text: dict = {}
+    finish: dict = {}
+    _run(eng, toks, text, finish, until=lambda: bool(toks.get("p")))
+    assert eng.pause("p") and not eng.pause("nope")
+    held = len(toks["p"])
+    free = eng.kv_blocks_free
+    _run(eng, toks, text, finish)  # only "o" runs
+    assert len(toks["p"]) == held and finish.get("o") == "length"
+    assert not eng.has_work() and eng.running_ids() == ["p"]
+    assert eng.kv_blocks_free > free  # "o" freed its KV; "p" keeps its own
+    eng.resume("p")
+    _run(eng, toks, text, finish)
+    assert toks == ref[0] and text == ref[1] and finish == ref[2]
+    assert eng.kv_blocks_free == eng.kv_blocks_total

@@ -1,6 +1,7 @@
 """``slicesched simulate`` / ``bench compare`` end to end on small files; bad files give one-line errors."""
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -332,18 +333,23 @@ def test_a_point_stopped_early_fails_even_if_its_partial_figures_look_fine():
     assert not passes(dict(r, stopped_early=True), 0.09)
 
 
-def test_lane_handback_is_simulator_only_and_labelled(files, capsys):
-    """``--lane-handback`` runs the simulator's lane hand-off and says so in the result; a mesh fidelity refuses it
-    in one line naming the flag (its workers do not move KV between devices)."""
+def test_lane_handback_is_the_slice_policys_parameter(files, capsys):
+    """The lane hand-off is ``slice``'s ``lane_handback`` parameter (results carry it with the policy's
+    parameters); ``bench compare --lane-handback`` sets it for the policies that take it, at every fidelity, and
+    refuses in one line naming the flag when none does."""
     out = files / "hb.json"
-    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
-               "--policy", "slice", "--rate-scale", "2", "--duration-s", "20", "--lane-handback", "--json", str(out)])
-    assert rc == 0
-    assert "simulator only" in json.loads(out.read_text())["lane_handback"]
-    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
-               "--policy", "slice", "--rate-scale", "2", "--duration-s", "20", "--json", str(out)])
-    assert rc == 0 and "lane_handback" not in json.loads(out.read_text())
+    for param, want in (([], False), (["--param", "lane_handback=true"], True)):
+        rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+                   "--policy", "slice", "--rate-scale", "2", "--duration-s", "20", *param, "--json", str(out)])
+        assert rc == 0
+        assert json.loads(out.read_text())["policy"]["params"]["lane_handback"] is want
+    from bench.bench_compare import handback_params
+    args = argparse.Namespace(lane_handback=True)
+    assert handback_params(args, "slice") == {"lane_handback": True}
+    assert handback_params(args, "slice/steering-on") == {"lane_handback": True}
+    assert handback_params(args, "container") == {}
+    assert handback_params(argparse.Namespace(lane_handback=False), "slice") == {}
     capsys.readouterr()
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
-               "--policies", "container,slice", "--fidelity", "real", "--lane-handback"])
+               "--policies", "container", "--fidelity", "real", "--lane-handback"])
     assert rc == 2 and "--lane-handback" in _one_line_error(capsys)

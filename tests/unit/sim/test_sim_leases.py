@@ -17,9 +17,10 @@ class _OneLease(Policy):
 
     registry_name = "test-one-lease"
 
-    def __init__(self, mode: str, duration_s: float = 1.0) -> None:
+    def __init__(self, mode: str, duration_s: float = 1.0, handback: bool = False) -> None:
         super().__init__()
         self.mode, self.duration_s, self.tick_s, self.granted = mode, duration_s, 0.05, False
+        self.handback = handback
 
     def initial_placement(self, snapshot, offered):
         return Placement({"d0": ("t0",), "d1": ("t1",)})
@@ -34,7 +35,7 @@ class _OneLease(Policy):
             return []
         self.granted = True
         segs = ("*",) if self.mode == "sequences" else tuple(f"mlp[{i}]" for i in range(32))
-        return [GrantLease("t0", "d0", "d1", segs, self.duration_s, 0.5, 0, mode=self.mode)]
+        return [GrantLease("t0", "d0", "d1", segs, self.duration_s, 0.5, 0, mode=self.mode, handback=self.handback)]
 
 
 def _run(mode, reqs, duration_s=1.0):
@@ -181,8 +182,8 @@ class _LeaseFullHome(_OneLease):
 def _run_handback(handback: bool, block_home_kv: bool = False):
     c = small_cluster(2, 2)
     t = small_tenants(c, ["llama-7b", "llama-7b"])
-    policy = (_LeaseFullHome if block_home_kv else _OneLease)("sequences", 3.0)
-    sim = policy.sim = Simulator(c, t, policy, SimConfig(lane_handback=handback), random.Random(0))
+    policy = (_LeaseFullHome if block_home_kv else _OneLease)("sequences", 3.0, handback)
+    sim = policy.sim = Simulator(c, t, policy, SimConfig(), random.Random(0))
     return sim, sim.run(Workload("handback", tuple(_mixed_load()), t, 5.0, 0))
 
 

@@ -1,0 +1,312 @@
+"""Lane hand-off (docs/guest-execution.md, "Lane hand-off"): a guest lane whose lease says ``handback`` prefills a
+sequence of another tenant, then hands it to a home device of that tenant, where it decodes in the home's batch.
+
+Guest, once a lane step gives a sequence its first token: the compute thread pauses the sequence (no more tokens
+here); when that token's chunk is published, :meth:`HandOffs.send` marks the request's journey hash with a token
+(``handoff``, only while this worker owns it), exports the sequence (tokens, sampling state, detokenizer state; its
+KV stays served by this worker's segment server, :class:`KVExports`), picks the home device of the lane's leases
+with the most free memory and puts a :class:`HandOff` on its stream.
+
+Home, :meth:`HandOffs.receive`: reserves the sequence's KV in the GMG, fetches the KV from the guest (emulated
+devices wait the link's time instead), imports the sequence paused, then commits in the journey hash (worker and
+device change, only while the guest's token is still there); then it tracks the request (its ``HandOff`` entry is
+acked when the request ends, as an ``AssignRequest`` is), publishes :class:`RequestMoved` (the scheduler moves its
+record and releases the guest's KV reservation) and answers :class:`HandOffReply`.
+
+Guest again: on ``ok`` it drops its copy and acks the request's ``AssignRequest``; on a refusal or no answer in
+``HANDOFF_TIMEOUT_S`` it gives up in the journey hash (clears its token) and resumes the sequence where it paused.
+If the home committed first, giving up fails and the guest drops its copy as on ``ok``. Either way exactly one
+worker continues the request and its token chunks keep their numbering.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from services.worker.segment_server import Reply, SegmentClient, TensorMover
+from services.worker.segment_wire import FrameError, KVQuery, KVTensor, wire_dtype
+from shared.gmg import Refused, Reservation
+from shared.messages import HandOff, HandOffReply, InferenceRequest, RequestMoved, events_stream, worker_stream
+from shared.model.engine import SamplingParams, SequenceState
+from shared.redis_util import REDIS_ERRORS
+from shared.requests_state import handoff_step
+from shared.streams import ACK, DEFER
+
+if TYPE_CHECKING:
+    from services.worker.service import WorkerService
+
+log = structlog.get_logger(__name__)
+
+HANDOFF_TIMEOUT_S = 5.0  # the guest gives up (and resumes the sequence) without an answer by then
+EXPORT_KEEP_S = 30.0  # an exported sequence's KV stays fetchable this long at most
+
+
+def sampling_params(r: InferenceRequest) -> SamplingParams:
+    """A request's sampling parameters as the engine takes them."""
+    return SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
+                          stop=tuple(s for s in r.stop if s), ignore_eos=r.ignore_eos, top_k=r.top_k,
+                          presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                          repetition_penalty=r.repetition_penalty, logprobs=r.logprobs,
+                          stop_token_ids=tuple(r.stop_token_ids))
+
+
+class KVExports:
+    """KV of sequences this worker is handing over, served to the home that asks with the hand-off's token
+    (segment-server threads read it; the event loop adds and drops)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, tuple[str, str, list, float]] = {}  # rid -> (token, home, kv, expiry)
+
+    def put(self, rid: str, token: str, home: str, kv: list) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, v in self._items.items() if v[3] < now]:
+                del self._items[k]
+            self._items[rid] = (token, home, kv, now + EXPORT_KEEP_S)
+
+    def drop(self, rid: str) -> None:
+        with self._lock:
+            self._items.pop(rid, None)
+
+    def handle(self, q: KVQuery, mover: TensorMover) -> Reply:
+        """Two frames (K, V) per layer, or one refusal (or one empty frame for a sequence without tensors)."""
+        with self._lock:
+            item = self._items.get(q.request_id)
+        if item is None or item[0] != q.token or item[1] != q.home_device:
+            return [(KVTensor(request_id=q.request_id, error="unknown_sequence"), b"")]
+        kv = item[2]
+        if not kv:
+            return [(KVTensor(request_id=q.request_id), b"")]
+        out: Reply = []
+        for layer, pair in enumerate(kv):
+            for kind, t in zip("kv", pair):
+                t = t.contiguous()
+                handle, body = mover.pack(t, q.home_device)
+                out.append((KVTensor(request_id=q.request_id, layer=layer, kind=kind, shape=list(t.shape),
+                                     dtype=wire_dtype(t), handle=handle,
+                                     last=layer == len(kv) - 1 and kind == "v"), body))
+        return out
+
+
+def fetch_kv(client: SegmentClient, mover: TensorMover, q: KVQuery,
+             timeout_s: float = 30.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Ask a guest for a handed-over sequence's KV (per layer, K and V); ``RuntimeError`` if it refuses."""
+    client.send(q)
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    while True:
+        msg, payload = client.read_other(deadline)
+        if not isinstance(msg, KVTensor) or msg.request_id != q.request_id:
+            raise FrameError(f"unexpected reply {type(msg).__name__} to a KV query")
+        if msg.error:
+            raise RuntimeError(f"guest refused the KV of {q.request_id}: {msg.error}")
+        if msg.kind:
+            # copied: an inline tensor shares its frame's buffer
+            out.setdefault(msg.layer, {})[msg.kind] = mover.unpack(msg.shape, msg.dtype, msg.handle, payload,
+                                                                   "cpu", timeout_s=timeout_s).clone()
+        if msg.last:
+            return [(out[i]["k"], out[i]["v"]) for i in sorted(out)]
+
+
+@dataclass
+class _Sending:
+    token: str
+    reply: asyncio.Future
+
+
+class HandOffs:
+    """Both roles of the hand-off for one worker service."""
+
+    def __init__(self, w: "WorkerService") -> None:
+        self.w = w
+        self.exports = KVExports()
+        self.ready: set[str] = set()  # paused after their first token; sent once that token is published
+        self._sending: dict[str, _Sending] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.stats = {"sent": 0, "refused": 0, "received": 0}
+
+    # ------------------------------------------------------------ guest
+    def pause_first_tokens(self, eng, events: list) -> None:
+        """Compute thread, after a lane step of a ``handback`` lane: pause each sequence that just got its first
+        token and is not done (it waits for :meth:`send`)."""
+        for ev in events:
+            if ev.token_ids and ev.completion_tokens == 1 and ev.finish_reason is None \
+                    and ev.request_id in self.w.tracker.items and eng.pause(ev.request_id):
+                self.ready.add(ev.request_id)
+
+    def published(self, events: list) -> None:
+        """Event loop, once a step's chunks are in Redis: start the hand-off of the sequences paused in it."""
+        for ev in events:
+            if ev.request_id in self.ready:
+                self.ready.discard(ev.request_id)
+                task = asyncio.create_task(self.send(ev.request_id))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _on_compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.w.compute, fn, *args)
+
+    async def _home_for(self, tenant: str) -> str | None:
+        """Of the lane's leases' home devices (the simulator hands a sequence to its lease's home), the ready one
+        with the most unreserved memory."""
+        lane = self.w.lanes.lanes.get(tenant) if self.w.lanes is not None else None
+        leases = [*lane.leases.values(), *lane.draining.values()] if lane is not None else []
+        homes = sorted({m.home_device for m in leases} - {self.w.device.id})
+        rows = await self.w.gmg.devices()
+        best, room = None, 0
+        for d in homes:
+            r = rows.get(d, {})
+            free = int(r.get("limit") or 0) - int(r.get("reserved") or 0)
+            if r.get("state") == "ready" and free > room:
+                best, room = d, free
+        return best
+
+    async def send(self, rid: str) -> None:
+        w = self.w
+        t = w.tracker.items.get(rid)
+        eng = w.engine_of.get(rid)
+        if t is None or eng is None:
+            return
+        token, began = uuid.uuid4().hex, False
+        try:
+            home = await self._home_for(t.req.tenant)
+            if home is None or not await handoff_step(w.redis, w.p, rid, "begin", w.worker_id, token):
+                await self._resume(eng, rid, "no_home" if home is None else "not_owner")
+                return
+            began = True
+            state = await self._on_compute(eng.export_sequence, rid)
+            self.exports.put(rid, token, home, state.kv)
+            fut = asyncio.get_running_loop().create_future()
+            self._sending[rid] = _Sending(token, fut)
+            gen = state.generator_state
+            await w.producer.add(worker_stream(w.p, home), HandOff(
+                msg_id=uuid.uuid4().hex, request=t.req, from_device=w.device.id, token=token, kv_blocks=t.kv_blocks,
+                seq=t.seq, started_ts=t.started_ts, first_token_ts=t.first_token_ts,
+                completion_tokens=t.completion_tokens, output=list(state.output), computed=state.computed,
+                pending=state.pending, generator_state=gen.numpy().tobytes() if gen is not None else b"",
+                detok=list(state.detok), transfer=w.lease_agent.kv_transfer if w.lease_agent else "none"),
+                durable=True)
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(fut), HANDOFF_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                reply = None
+            if reply is not None and reply.ok:
+                await self._moved(eng, rid, home)
+            elif await handoff_step(w.redis, w.p, rid, "abort", token):
+                await self._resume(eng, rid, reply.reason if reply is not None else "timeout")
+            else:  # the home committed before we gave up: it runs the request now
+                await self._moved(eng, rid, home)
+        except (ValueError, RuntimeError) + REDIS_ERRORS as e:
+            if began and not await self._abort_retrying(rid, token):
+                await self._moved(eng, rid, "?")
+            else:
+                await self._resume(eng, rid, repr(e))
+        finally:
+            self._sending.pop(rid, None)
+            self.exports.drop(rid)
+
+    async def _abort_retrying(self, rid: str, token: str) -> bool:
+        """Give up a hand-off through Redis trouble; False only when the home committed it."""
+        delay = 0.1
+        while True:
+            try:
+                return await handoff_step(self.w.redis, self.w.p, rid, "abort", token)
+            except REDIS_ERRORS:
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+    async def _resume(self, eng, rid: str, reason: str) -> None:
+        self.stats["refused"] += 1
+        await self._on_compute(eng.resume, rid)
+        self.w.wake.set()
+        log.info("handoff_kept_on_guest", request_id=rid, reason=reason)
+
+    async def _moved(self, eng, rid: str, home: str) -> None:
+        """The home continues the request: drop this copy and the request's entry (the scheduler releases its KV
+        reservation here when it reads the home's RequestMoved)."""
+        w = self.w
+        self.stats["sent"] += 1
+        await self._on_compute(eng.cancel, rid)
+        w.engine_of.pop(rid, None)
+        t = w.tracker.items.pop(rid, None)
+        log.info("handoff_sent", request_id=rid, home=home)
+        if t is not None:
+            await w.ack_retrying(t.entry_id)
+
+    def on_reply(self, msg: HandOffReply) -> None:
+        s = self._sending.get(msg.request_id)
+        if s is not None and s.token == msg.token and not s.reply.done():
+            s.reply.set_result(msg)
+
+    # ------------------------------------------------------------ home
+    async def receive(self, entry_id: str, msg: HandOff) -> str:
+        w, r = self.w, msg.request
+        rid = r.request_id
+        if rid in w.tracker.items:  # our entry re-delivered stays pending; another copy is acked
+            return DEFER if w.tracker.items[rid].entry_id == entry_id else ACK
+        if r.tenant != w.tenant.name:
+            return await self._refuse(msg, "not_home")
+        eng = w.engine
+        nblocks = eng.blocks_needed(len(r.prompt_ids), r.max_tokens)
+        owner = f"kv:{rid}"
+        res = await w.gmg.reserve([Reservation(w.device.id, owner, "kv", r.tenant, nblocks * eng.kv_bytes_per_block)])
+        if isinstance(res, Refused) and res.reason != "duplicate":
+            return await self._refuse(msg, f"memory: {res.reason}")
+        try:
+            kv = await w.lease_agent.fetch_kv(msg.from_device, KVQuery(request_id=rid, token=msg.token,
+                                                                       home_device=w.device.id), msg) \
+                if w.lease_agent is not None else []
+            state = self._state(msg, kv)
+            await self._on_compute(self._import_paused, state)
+        except (OSError, FrameError, TimeoutError, RuntimeError, ValueError) as e:
+            await w.gmg.release(w.device.id, owner)
+            return await self._refuse(msg, f"import: {e}")
+        if not await handoff_step(w.redis, w.p, rid, "commit", msg.token, w.worker_id, w.device.id,
+                                  f"{time.time():.6f}"):
+            await self._on_compute(eng.cancel, rid)
+            await w.gmg.release(w.device.id, owner)
+            return await self._refuse(msg, "given_up")
+        t = w.tracker.add(r, entry_id, nblocks)
+        t.seq, t.started_ts, t.first_token_ts = msg.seq, msg.started_ts, msg.first_token_ts
+        t.completion_tokens = msg.completion_tokens
+        w.engine_of[rid] = eng
+        self.stats["received"] += 1
+        await w.producer.add(events_stream(w.p), RequestMoved(
+            msg_id=uuid.uuid4().hex, request_id=rid, tenant=r.tenant, from_device=msg.from_device,
+            device=w.device.id, worker_id=w.worker_id, kv_blocks=nblocks, ts=time.time()), durable=True)
+        await w.producer.add(worker_stream(w.p, msg.from_device), HandOffReply(
+            msg_id=uuid.uuid4().hex, request_id=rid, token=msg.token, ok=True))
+        await self._on_compute(eng.resume, rid)
+        w.wake.set()
+        log.info("handoff_received", request_id=rid, guest=msg.from_device, kv_layers=len(state.kv))
+        return DEFER  # acked when the request ends
+
+    def _import_paused(self, state: SequenceState) -> None:
+        """Compute thread: the imported sequence waits (paused) until this worker has committed and tracks it."""
+        self.w.engine.import_sequence(state)
+        self.w.engine.pause(state.request_id)
+
+    @staticmethod
+    def _state(msg: HandOff, kv: list) -> SequenceState:
+        r = msg.request
+        gen = torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8) if msg.generator_state else None
+        return SequenceState(r.request_id, list(r.prompt_ids), list(msg.output), sampling_params(r), msg.computed,
+                             msg.pending, gen, tuple(msg.detok), kv)
+
+    async def _refuse(self, msg: HandOff, reason: str) -> str:
+        log.info("handoff_refused", request_id=msg.request.request_id, guest=msg.from_device, reason=reason)
+        await self.w.producer.add(worker_stream(self.w.p, msg.from_device), HandOffReply(
+            msg_id=uuid.uuid4().hex, request_id=msg.request.request_id, token=msg.token, ok=False, reason=reason))
+        return ACK
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()

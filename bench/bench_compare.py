@@ -74,9 +74,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "and forecasts (on), without (off, SLICESCHED_SIM_STEERING=0), or each policy searched both "
                         "ways, their points alternating (both: policies named <policy>/steering-on and "
                         "<policy>/steering-off); default: as the environment says")
-    p.add_argument("--lane-handback", action="store_true",
-                   help="the policies that take it (slice) run with lane_handback=true: guest lanes hand each "
-                        "prefilled sequence to the home device (docs/guest-execution.md); every fidelity")
+    p.add_argument("--lane-handback", choices=("on", "off"), default=None,
+                   help="the policies that take it (slice) run with lane_handback true (on) or false (off): guest "
+                        "lanes hand each prefilled sequence to the home device (docs/guest-execution.md); every "
+                        "fidelity; default: the policy's own setting (on)")
     p.add_argument("--json", dest="json_out", default=None)
 
 
@@ -267,8 +268,8 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
                            "containers": containers, "confirm": confirm_of(args),
                            "sim_steering": getattr(args, "sim_steering", None),
                            "wall_s": time.perf_counter() - t0, "per_seed": per_seed}
-    if getattr(args, "lane_handback", False):
-        res["lane_handback"] = [p for p in policies if handback_params(args, p)]
+    if getattr(args, "lane_handback", None):
+        res["lane_handback"] = {p: args.lane_handback for p in policies if handback_params(args, p)}
     res["ratio_to_container"] = median_of(per_seed, "ratio_to_container")
     res["pooled_gain_captured"] = median_of(per_seed, "pooled_gain_captured")
     res["runs"] = sorted(log, key=lambda x: (x["policy"], str(x["seed"]), x["scale"]))
@@ -276,16 +277,16 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
 
 
 def handback_params(args: argparse.Namespace, policy: str) -> dict[str, Any]:
-    """``{"lane_handback": True}`` for a policy that takes it when ``--lane-handback`` is given, else ``{}``."""
+    """``{"lane_handback": on?}`` for a policy that takes it when ``--lane-handback on|off`` is given, else ``{}``."""
     import dataclasses
 
     from shared.policies import POLICIES
-    if not getattr(args, "lane_handback", False) or policy.split("/")[0] not in POLICIES:
+    if not getattr(args, "lane_handback", None) or policy.split("/")[0] not in POLICIES:
         return {}
     cls = POLICIES.get(policy.split("/")[0])
     cfg = getattr(cls, "config_cls", None)
     takes = cfg is not None and any(f.name == "lane_handback" for f in dataclasses.fields(cfg))
-    return {"lane_handback": True} if takes else {}
+    return {"lane_handback": args.lane_handback == "on"} if takes else {}
 
 
 def _usage(msg: str) -> int:
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     steering = getattr(args, "sim_steering", None)
     if steering and args.fidelity == "sim":
         return _usage("--sim-steering is for the mesh fidelities (the simulator service steers a live scheduler)")
-    if getattr(args, "lane_handback", False) and not any(handback_params(args, p) for p in policies):
+    if getattr(args, "lane_handback", None) and not any(handback_params(args, p) for p in policies):
         return _usage(f"--lane-handback: none of {', '.join(policies)} takes lane_handback (slice does)")
     if steering == "both":
         policies = [f"{p}/steering-{v}" for p in policies for v in ("on", "off")]

@@ -45,7 +45,7 @@ class SliceConfig(PolicyConfig):
     sequences: bool = True  # also consider the second mode
     segments: bool = True  # consider "segments" leases (MLP offload); off where they do not pay (CPU meshes)
     max_sequence_leases: int = 8  # per home device
-    lane_handback: bool = False  # sequences leases hand each prefilled sequence home (docs/guest-execution.md)
+    lane_handback: bool = True  # sequences leases hand each prefilled sequence home (docs/guest-execution.md)
     share_max: float = 0.6  # most of a busy guest's time one lease may take
     min_share: float = 0.1
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit

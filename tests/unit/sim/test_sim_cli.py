@@ -334,22 +334,23 @@ def test_a_point_stopped_early_fails_even_if_its_partial_figures_look_fine():
 
 
 def test_lane_handback_is_the_slice_policys_parameter(files, capsys):
-    """The lane hand-off is ``slice``'s ``lane_handback`` parameter (results carry it with the policy's
-    parameters); ``bench compare --lane-handback`` sets it for the policies that take it, at every fidelity, and
-    refuses in one line naming the flag when none does."""
+    """The lane hand-off is ``slice``'s ``lane_handback`` parameter, on by default (results carry it with the
+    policy's parameters); ``bench compare --lane-handback on|off`` sets it for the policies that take it, at every
+    fidelity, and refuses in one line naming the flag when none does."""
     out = files / "hb.json"
-    for param, want in (([], False), (["--param", "lane_handback=true"], True)):
+    for param, want in (([], True), (["--param", "lane_handback=false"], False)):
         rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
                    "--policy", "slice", "--rate-scale", "2", "--duration-s", "20", *param, "--json", str(out)])
         assert rc == 0
         assert json.loads(out.read_text())["policy"]["params"]["lane_handback"] is want
     from bench.bench_compare import handback_params
-    args = argparse.Namespace(lane_handback=True)
-    assert handback_params(args, "slice") == {"lane_handback": True}
-    assert handback_params(args, "slice/steering-on") == {"lane_handback": True}
+    args = argparse.Namespace(lane_handback="off")
+    assert handback_params(args, "slice") == {"lane_handback": False}
+    assert handback_params(args, "slice/steering-on") == {"lane_handback": False}
+    assert handback_params(argparse.Namespace(lane_handback="on"), "slice") == {"lane_handback": True}
     assert handback_params(args, "container") == {}
-    assert handback_params(argparse.Namespace(lane_handback=False), "slice") == {}
+    assert handback_params(argparse.Namespace(lane_handback=None), "slice") == {}
     capsys.readouterr()
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
-               "--policies", "container", "--fidelity", "real", "--lane-handback"])
+               "--policies", "container", "--fidelity", "real", "--lane-handback", "off"])
     assert rc == 2 and "--lane-handback" in _one_line_error(capsys)

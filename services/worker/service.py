@@ -16,8 +16,8 @@ from prometheus_client import Counter, Gauge
 from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig, TenantsConfig, env_number
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, HandOff, HandOffReply, LeaseGranted,
-                             LeaseRevoked, RequestError, RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg, dead_stream, events_stream,
-                             tokens_stream, worker_stream)
+                             LeaseRevoked, RequestError, RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg,
+                             dead_stream, events_stream, tokens_stream, worker_stream)
 from shared.model.engine import Engine
 from shared.redis_util import REDIS_ERRORS, blocking_client, close_quietly, command_client
 from shared.requests_state import TERMINAL_STATES, TerminalFence, req_key

@@ -103,7 +103,6 @@ class HandOff(Msg, frozen=True, kw_only=True):
     pending: str = ""
     generator_state: bytes = b""
     detok: list = []
-    transfer: str = "segment_server"  # segment_server (fetch the KV) | none (emulated: no tensors)
 
 
 class HandOffReply(Msg, frozen=True, kw_only=True):

@@ -83,8 +83,7 @@ class EmulatedLeaseAgent:
         if peers is not None:
             peers.add(self)
 
-    kv_transfer = "none"  # no tensors: a hand-off's KV costs the link's time (fetch_kv)
-    kv_exports = None
+    kv_exports = None  # no tensors: a hand-off's KV costs the link's time (fetch_kv)
 
     async def start(self) -> None:
         log.info("lease_agent_emulated", device=self.device.id)

@@ -192,7 +192,7 @@ class HandOffs:
                 seq=t.seq, started_ts=t.started_ts, first_token_ts=t.first_token_ts,
                 completion_tokens=t.completion_tokens, output=list(state.output), computed=state.computed,
                 pending=state.pending, generator_state=gen.numpy().tobytes() if gen is not None else b"",
-                detok=list(state.detok), transfer=w.lease_agent.kv_transfer if w.lease_agent else "none"),
+                detok=list(state.detok)),
                 durable=True)
             try:
                 reply = await asyncio.wait_for(asyncio.shield(fut), HANDOFF_TIMEOUT_S)

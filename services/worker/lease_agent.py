@@ -96,7 +96,6 @@ class LeaseAgent:
         self.guest: GuestHost | None = None
         self.home_weights: HomeWeights | None = None
         self.kv_exports = None  # the worker's KVExports (lane hand-off): sequences whose KV a home may fetch
-        self.kv_transfer = "segment_server"
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:

@@ -51,9 +51,12 @@ def test_snapshot_counts_the_workers_backlog():
 def test_cluster_policy_parameters_and_their_override():
     cluster = load_cluster(REPO_CONFIGS / "cluster-tiny.yaml")
     base = cluster.policy_params.get("slice")
-    # the CPU default leases whole sequences only, each for 5 s (a CPU segment RPC costs milliseconds)
-    assert base == {"segments": False, "sequence_lease_s": 5.0}
+    # the CPU default leases whole sequences only, each for 5 s (a CPU segment RPC costs milliseconds), and its
+    # lanes keep their sequences (no hand-off)
+    assert base == {"segments": False, "sequence_lease_s": 5.0, "lane_handback": False}
     assert load_live_policy("slice", "", base).config.segments is False
+    assert load_live_policy("slice", "", base).config.lane_handback is False
+    assert load_live_policy("slice", '{"lane_handback": true}', base).config.lane_handback is True
     assert load_live_policy("slice", "", base).config.sequence_lease_s == 5.0
     assert load_live_policy("slice", '{"sequence_lease_s": 2.0}', base).config.sequence_lease_s == 2.0
     assert load_live_policy("slice", '{"segments": true}', base).config.segments is True

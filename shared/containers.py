@@ -102,10 +102,12 @@ def with_homes(tenants: TenantsConfig, homes: Mapping[str, tuple[str, ...] | lis
 
 def write_containers(path: str | Path, homes: Mapping[str, tuple[str, ...] | list[str]],
                      plan: Mapping[str, Any] | None = None, header: str = "") -> None:
-    """Write a containers file (device ids per tenant, plus the ``plan`` block)."""
+    """Write a containers file (device ids per tenant, plus the ``plan`` block); ``header`` lines are written as
+    YAML comments."""
     body: dict[str, Any] = {"containers": {t: list(ds) for t, ds in homes.items()}}
     if plan:
         body["plan"] = dict(plan)
     text = yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text((header if header.endswith("\n") or not header else header + "\n") + text)
+    comment = "".join(f"{ln}\n" if ln.startswith("#") else f"# {ln}".rstrip() + "\n" for ln in header.splitlines())
+    Path(path).write_text(comment + text)

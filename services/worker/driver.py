@@ -190,16 +190,7 @@ class HomeWeights:
 def fetch_weights(client: SegmentClient, mover: TensorMover, q: WeightsQuery,
                   timeout_s: float = 30.0) -> dict[str, torch.Tensor]:
     """Ask a home worker for one segment's tensors (Hugging Face names); ``RuntimeError`` if it refuses."""
-    client.send(q)
-    deadline = time.monotonic() + timeout_s
-    out: dict[str, torch.Tensor] = {}
-    while True:
-        msg, payload = client.read_other(deadline)
-        if not isinstance(msg, WeightTensor) or msg.segment != q.segment:
-            raise FrameError(f"unexpected reply {type(msg).__name__} to a weights query")
-        if msg.error:
-            raise RuntimeError(f"home refused weights of {q.segment}: {msg.error}")
-        t = mover.unpack(msg.shape, msg.dtype, msg.handle, payload, "cpu", timeout_s=timeout_s)
-        out[msg.name] = t  # an inline tensor shares its frame's buffer, which nothing else uses
-        if msg.last:
-            return out
+    # an inline tensor shares its frame's buffer, which nothing else uses
+    return {msg.name: mover.unpack(msg.shape, msg.dtype, msg.handle, payload, "cpu", timeout_s=timeout_s)
+            for msg, payload in client.tensor_replies(q, WeightTensor, lambda m: m.segment == q.segment,
+                                                      f"weights of {q.segment}", timeout_s)}

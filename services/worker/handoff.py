@@ -99,21 +99,14 @@ class KVExports:
 def fetch_kv(client: SegmentClient, mover: TensorMover, q: KVQuery,
              timeout_s: float = 30.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Ask a guest for a handed-over sequence's KV (per layer, K and V); ``RuntimeError`` if it refuses."""
-    client.send(q)
-    deadline = time.monotonic() + timeout_s
     out: dict[int, dict[str, torch.Tensor]] = {}
-    while True:
-        msg, payload = client.read_other(deadline)
-        if not isinstance(msg, KVTensor) or msg.request_id != q.request_id:
-            raise FrameError(f"unexpected reply {type(msg).__name__} to a KV query")
-        if msg.error:
-            raise RuntimeError(f"guest refused the KV of {q.request_id}: {msg.error}")
+    for msg, payload in client.tensor_replies(q, KVTensor, lambda m: m.request_id == q.request_id,
+                                              f"the KV of {q.request_id}", timeout_s):
         if msg.kind:
             # copied: an inline tensor shares its frame's buffer
             out.setdefault(msg.layer, {})[msg.kind] = mover.unpack(msg.shape, msg.dtype, msg.handle, payload,
                                                                    "cpu", timeout_s=timeout_s).clone()
-        if msg.last:
-            return [(out[i]["k"], out[i]["v"]) for i in sorted(out)]
+    return [(out[i]["k"], out[i]["v"]) for i in sorted(out)]
 
 
 @dataclass

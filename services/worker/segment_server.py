@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import structlog
 import torch
@@ -236,6 +236,23 @@ class SegmentClient:
         calls are outstanding on this connection."""
         self.send(msg)
         return self.read_other(time.monotonic() + timeout_s)
+
+    def tensor_replies(self, q: SegmentFrame, frame_type: type, answers: Callable[[Any], bool], what: str,
+                       timeout_s: float) -> Iterator[tuple[Any, bytearray]]:
+        """Send a tensor query (weights, KV) and yield its reply frames up to the one marked ``last``:
+        ``FrameError`` for a frame that does not answer it, ``RuntimeError`` naming ``what`` if the peer refuses,
+        ``TimeoutError`` past ``timeout_s`` in all."""
+        self.send(q)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg, payload = self.read_other(deadline)
+            if not isinstance(msg, frame_type) or not answers(msg):
+                raise FrameError(f"unexpected reply {type(msg).__name__} to a query for {what}")
+            if msg.error:
+                raise RuntimeError(f"peer refused {what}: {msg.error}")
+            yield msg, payload
+            if msg.last:
+                return
 
     def read_other(self, deadline: float) -> tuple[SegmentFrame, bytearray]:
         """The next frame that is not a segment result (those are only read by ``result``)."""

@@ -74,7 +74,9 @@ def test_planner_refuses_mixed_clusters_and_too_many_tenants():
 
 def test_containers_file_round_trip_and_errors(tmp_path):
     p = tmp_path / "c.yaml"
-    write_containers(p, {"t0": ["d0", "d1"], "t1": ["d2"], "t2": ["d3"]}, {"bound": 0.09})
+    write_containers(p, {"t0": ["d0", "d1"], "t1": ["d2"], "t2": ["d3"]}, {"bound": 0.09},
+                     header="planned: by hand\n# already a comment")
+    assert p.read_text().startswith("# planned: by hand\n# already a comment\ncontainers:")
     assert read_containers(p, CLUSTER, TENANTS) == {"t0": ("d0", "d1"), "t1": ("d2",), "t2": ("d3",)}
     mixed = parse_containers({"t0": 2, "t1": ["d0"], "t2": 1}, "x", CLUSTER, TENANTS)
     assert mixed == {"t0": ("d1", "d2"), "t1": ("d0",), "t2": ("d3",)}  # counts fill what lists leave

@@ -22,6 +22,9 @@ from shared.transport import ShmTransport
 
 CFG = PRESETS["tiny-2l"]
 SEGS = ["mlp[0]", "mlp[1]"]
+# tests about results, refusals and transports wait up to 2 s for a reply: the 25 ms default floor is about
+# timeouts (tested with its own options below), and a first call on a busy 2-core VM can take longer
+PATIENT = DriverOptions(timeout_floor_ms=2000.0)
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +93,7 @@ def site():
 def _remote(site: Site, msg: LeaseGranted, opts: DriverOptions | None = None) -> tuple[LeaseRemote, DriverLink]:
     link = DriverLink(msg, state="ready", client=SegmentClient(site.guest_addr))
     return LeaseRemote({s: link for s in msg.segments}, TensorMover("h0"), torch.device("cpu"),
-                       opts or DriverOptions()), link
+                       opts or PATIENT), link
 
 
 def test_staged_weights_and_guest_results_are_bit_identical(site):
@@ -129,7 +132,7 @@ def test_guest_refusals(site):
     assert st.state == "ready" and st.staged == SEGS
     other = DriverLink(msgspec.structs.replace(msg, segments=["mlp[0]", "attn[0]"]), state="ready",
                        client=link.client)
-    r2 = LeaseRemote({"attn[0]": other}, TensorMover("h0"), torch.device("cpu"), DriverOptions())
+    r2 = LeaseRemote({"attn[0]": other}, TensorMover("h0"), torch.device("cpu"), PATIENT)
     assert r2.collect(r2.submit("attn[0]", 0, x)) is None and other.errors == {"bad_request": 1}
     bad_shape = remote.submit("mlp[0]", 0, torch.randn(4, CFG.hidden_size + 1))
     assert remote.collect(bad_shape) is None and link.errors["bad_request"] == 1
@@ -211,7 +214,7 @@ def test_large_tensors_go_over_the_shm_transport():
         site.wait_ready()
         link = DriverLink(msg, state="ready", client=SegmentClient(site.guest_addr))
         mover = TensorMover("h0", th_h, loop, inline_max_bytes=0)
-        remote = LeaseRemote({s: link for s in SEGS}, mover, torch.device("cpu"), DriverOptions())
+        remote = LeaseRemote({s: link for s in SEGS}, mover, torch.device("cpu"), PATIENT)
         x = torch.randn(16, CFG.hidden_size)
         out = remote.collect(remote.submit("mlp[0]", 0, x))
         assert torch.equal(out, site.model.run_segment("mlp[0]", x))

@@ -103,7 +103,7 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
     if args.jobs <= 1:
         from services.cli.simulate import load_workload_file, simulate
         w = load_workload_file(args.workload, scale, seed, args.duration_s, getattr(args, "scale_mode", None))
-        r = simulate(_cluster(args.cluster), w, policy, handback_params(args, policy), seed=seed, containers=homes,
+        r = simulate(_cluster(args.cluster), w, policy, point_params(args, policy), seed=seed, containers=homes,
                      stop_above=stop_above)
         return point_summary(r)
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,7 +122,7 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
             cmd += ["--scale-mode", args.scale_mode]
         if stop_above is not None:
             cmd += ["--stop-above", repr(stop_above)]
-        cmd += [f"--param={k}={str(v).lower()}" for k, v in handback_params(args, policy).items()]
+        cmd += [f"--param={k}={str(v).lower()}" for k, v in point_params(args, policy).items()]
         p = CHILDREN.run(cmd, Path(__file__).resolve().parents[1])
         if p.returncode != 0:
             raise RuntimeError(f"simulate {policy} at scale {scale} failed: {p.stderr.strip()[-500:]}")
@@ -274,6 +274,12 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
     res["pooled_gain_captured"] = median_of(per_seed, "pooled_gain_captured")
     res["runs"] = sorted(log, key=lambda x: (x["policy"], str(x["seed"]), x["scale"]))
     return res
+
+
+def point_params(args: argparse.Namespace, policy: str) -> dict[str, Any]:
+    """Parameters a simulated point gives ``policy`` over the cluster file's: ``args.policy_params[policy]`` (set
+    by ``bench tune`` for each candidate) and ``--lane-handback``."""
+    return {**(getattr(args, "policy_params", None) or {}).get(policy, {}), **handback_params(args, policy)}
 
 
 def handback_params(args: argparse.Namespace, policy: str) -> dict[str, Any]:

@@ -40,6 +40,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "models": ("bench.bench_models", "tokens/s of the engine vs transformers on the same model, batch 1 and 8"),
     "steering": ("bench.bench_steering", "a policy on a mesh with and without the simulator's steering, paired"),
     "scale": ("bench.bench_scale", "decision/what-if latency and simulator speed from 32 to 1,024 devices"),
+    "tune": ("bench.bench_tune", "tune a policy's parameters on arrival seeds that are never reported"),
 }
 
 

@@ -354,3 +354,41 @@ def test_lane_handback_is_the_slice_policys_parameter(files, capsys):
     rc = main(["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
                "--policies", "container", "--fidelity", "real", "--lane-handback", "off"])
     assert rc == 2 and "--lane-handback" in _one_line_error(capsys)
+
+
+def test_bench_tune_ranks_candidates_against_container_on_the_same_points(files, capsys):
+    """A ``container-realloc`` candidate that never moves a device is ``container`` itself: it sustains exactly
+    ``container``'s scale on every tuning point; candidates are ranked by their geometric-mean scale."""
+    out = files / "tune.json"
+    rc = main(["bench", "tune", "--policy", "container-realloc", "--grid", "min_deficit=0.25,100",
+               "--grid", "interval_s=10", "--workloads", str(files / "w.yaml"), "--cluster",
+               str(files / "cluster.yaml"), "--seeds", "7,8", "--duration-s", "30", "--tolerance", "0.25",
+               "--start-scale", "8", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["seeds"] == [7, 8] and r["containers"][str(files / "w.yaml")]["mode"] == "plan"
+    cands = {c["params"]["min_deficit"]: c for c in r["candidates"]}
+    assert set(cands) == {0.25, 100} and all(c["params"]["interval_s"] == 10 for c in cands.values())
+    ref = r["reference"]["max_scale"][str(files / "w.yaml")]
+    assert ref > 0 and cands[100]["max_scale"][str(files / "w.yaml")] == ref
+    assert cands[100]["x_container"][str(files / "w.yaml")] == 1.0
+    assert [c["score"] for c in r["candidates"]] == sorted((c["score"] for c in r["candidates"]), reverse=True)
+    assert r["best"] == r["candidates"][0]["params"]
+    assert "best: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("grid, field", [("bogus=1", "bogus"), ("min_deficit=x", "must be a number"),
+                                         ("min_deficit", "KEY=V1,V2"), ("min_deficit=1,,2", "KEY=V1,V2")])
+def test_bench_tune_refuses_a_bad_grid_naming_it(files, capsys, grid, field):
+    rc = main(["bench", "tune", "--policy", "container-realloc", "--grid", grid, "--workloads",
+               str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml")])
+    err = _one_line_error(capsys)
+    assert rc == 2 and "--grid" in err and field in err
+
+
+def test_a_points_parameters_are_the_candidates_and_the_lane_setting():
+    from bench.bench_compare import point_params
+    args = argparse.Namespace(policy_params={"slice": {"lease_s": 2.0}}, lane_handback="off")
+    assert point_params(args, "slice") == {"lease_s": 2.0, "lane_handback": False}
+    assert point_params(args, "container") == {}
+    assert point_params(argparse.Namespace(), "slice") == {}

@@ -104,6 +104,7 @@ def search_one(ns: argparse.Namespace, policy: str, params: dict[str, Any], seed
 def tune(args: argparse.Namespace) -> dict[str, Any]:
     from bench.bench_compare import resolve_containers
     from bench.compare_summary import BOUNDS
+    from shared.policies import PolicyConfigError
     cands = candidates(args.policy, args.grid)
     workloads = [w for w in args.workloads.split(",") if w]
     if not workloads:
@@ -125,14 +126,21 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
 
     def one(task):
         (w, policy, i, params), seed = task
-        scale, r = search_one(nss[w], policy, params, seed, bound)
-        return task, scale, (r or {}).get("tokens_per_s", 0.0)
+        try:
+            return task, search_one(nss[w], policy, params, seed, bound)[0], None
+        except (PolicyConfigError, RuntimeError) as e:  # a candidate that cannot run here sustains nothing
+            if policy == REFERENCE:
+                raise
+            return task, 0.0, str(e).strip().splitlines()[-1]
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
         found = list(ex.map(one, tasks))
     scales: dict[tuple[str, int], dict[int, float]] = {}
-    for ((w, _, i, _), seed), scale, _ in found:
+    errors: dict[int, str] = {}
+    for ((w, _, i, _), seed), scale, err in found:
         scales.setdefault((w, i), {})[seed] = scale
+        if err:
+            errors.setdefault(i, err)
     ref = {w: statistics.median(scales[(w, -1)].values()) for w in workloads}
     rows = []
     for i, params in enumerate(cands):
@@ -140,7 +148,8 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
         x = {w: med[w] / ref[w] if ref[w] > 0 else None for w in workloads}
         score = math.exp(statistics.fmean(math.log(max(v, 1e-3)) for v in med.values()))
         rows.append({"params": params, "score": score, "max_scale": med, "x_container": x,
-                     "per_seed": {w: {str(s): v for s, v in scales[(w, i)].items()} for w in workloads}})
+                     "per_seed": {w: {str(s): v for s, v in scales[(w, i)].items()} for w in workloads},
+                     "error": errors.get(i)})
     rows.sort(key=lambda r: -r["score"])
     return {"policy": args.policy, "bound": args.bound, "seeds": list(args.seeds), "workloads": workloads,
             "cluster": args.cluster, "duration_s": args.duration_s, "plan_duration_s": args.plan_duration_s,
@@ -160,7 +169,8 @@ def print_table(res: dict[str, Any]) -> None:
     for r in res["candidates"]:
         cells = [f"{r['max_scale'][w]:.3g} ({r['x_container'][w]:.2f}×)" if r["x_container"][w] is not None
                  else f"{r['max_scale'][w]:.3g}" for w in ws]
-        print(f"| {_label(r['params'])} | " + " | ".join(cells) + f" | {r['score']:.3g} |")
+        print(f"| {_label(r['params'])} | " + " | ".join(cells) + f" | {r['score']:.3g} |"
+              + (f" cannot run: {r['error']}" if r.get("error") else ""))
     print(f"best: {_label(res['best'])}")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shared.costmodel import cost_for
 from shared.policies.actions import Placement
-from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig
+from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, PolicyConfigError
 from shared.policies.sizing import offered_work
 from shared.policies.snapshot import ClusterSnapshot
 
@@ -56,11 +56,12 @@ class MuxServePolicy(Policy):
             if frac > 0 or whole == 0:
                 units.append((max(frac, 1e-3), t))
         units.sort(key=lambda u: (-u[0], u[1]))
-        cap = 1.0
-        while True:
-            placed = self._pack(units, devs, snapshot, cap, cfg.weights_budget)
-            if placed is not None:
-                break
+        cap, most = 1.0, sum(w for w, _ in units)
+        while (placed := self._pack(units, devs, snapshot, cap, cfg.weights_budget)) is None:
+            if cap > most:  # load no longer limits the packing: the co-located weights cannot fit the budget
+                raise PolicyConfigError(
+                    f"muxserve: weights_budget {cfg.weights_budget} leaves no device room for the co-located "
+                    f"weights of {len(units)} replicas on {n} devices; raise it")
             cap *= 1.05
         assign: dict[str, tuple[str, ...]] = {}
         weights: dict[tuple[str, str], float] = {}

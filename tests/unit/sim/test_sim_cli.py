@@ -392,3 +392,22 @@ def test_a_points_parameters_are_the_candidates_and_the_lane_setting():
     assert point_params(args, "slice") == {"lease_s": 2.0, "lane_handback": False}
     assert point_params(args, "container") == {}
     assert point_params(argparse.Namespace(), "slice") == {}
+
+
+def test_muxserve_whose_weights_cannot_fit_is_a_one_line_error_not_a_hang(files, capsys):
+    rc = main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+               "--policy", "muxserve", "--param", "weights_budget=0.01", "--duration-s", "10"])
+    assert rc == 2 and "weights_budget 0.01" in _one_line_error(capsys)
+
+
+def test_bench_tune_keeps_going_past_a_candidate_that_cannot_run(files, capsys):
+    out = files / "tune.json"
+    rc = main(["bench", "tune", "--policy", "muxserve", "--grid", "weights_budget=0.01,0.5", "--workloads",
+               str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"), "--seeds", "7", "--duration-s", "20",
+               "--tolerance", "0.25", "--start-scale", "8", "--json", str(out)])
+    assert rc == 0
+    r = {c["params"]["weights_budget"]: c for c in json.loads(out.read_text())["candidates"]}
+    assert r[0.01]["error"] and "weights_budget" in r[0.01]["error"]
+    assert r[0.01]["max_scale"][str(files / "w.yaml")] == 0.0
+    assert r[0.5]["error"] is None and r[0.5]["max_scale"][str(files / "w.yaml")] > 0
+    assert "cannot run: muxserve: weights_budget 0.01" in capsys.readouterr().out

@@ -89,10 +89,12 @@ def search_one(ns: argparse.Namespace, policy: str, params: dict[str, Any], seed
                ) -> tuple[float, dict[str, Any] | None]:
     """The largest scale ``policy`` with ``params`` sustains within ``bound`` on one workload and seed."""
     from bench.bench_compare import run_sim_point
-    from bench.compare_search import _Search
+    from bench.compare_search import CHILDREN, _Search
     mine = argparse.Namespace(**{**vars(ns), "policy_params": {policy: params}})
 
     def at(scale: float, b: float) -> dict[str, Any]:
+        if CHILDREN.stopping.is_set():
+            raise RuntimeError("tuning interrupted")
         r = run_sim_point(mine, policy, scale, seed=seed, stop_above=b)
         print(f"  {Path(ns.workload).stem:20s} {policy} [{_label(params)}] seed {seed} scale {scale:8.3f}: "
               f"violations {100 * r['violation_rate']:6.2f}% (worst tenant "
@@ -103,6 +105,7 @@ def search_one(ns: argparse.Namespace, policy: str, params: dict[str, Any], seed
 
 def tune(args: argparse.Namespace) -> dict[str, Any]:
     from bench.bench_compare import resolve_containers
+    from bench.compare_search import CHILDREN
     from bench.compare_summary import BOUNDS
     from shared.policies import PolicyConfigError
     cands = candidates(args.policy, args.grid)
@@ -129,12 +132,17 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
         try:
             return task, search_one(nss[w], policy, params, seed, bound)[0], None
         except (PolicyConfigError, RuntimeError) as e:  # a candidate that cannot run here sustains nothing
-            if policy == REFERENCE:
+            if policy == REFERENCE or CHILDREN.stopping.is_set():
                 raise
             return task, 0.0, str(e).strip().splitlines()[-1]
 
+    CHILDREN.stopping.clear()
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-        found = list(ex.map(one, tasks))
+        try:
+            found = list(ex.map(one, tasks))
+        except BaseException:  # an interrupt or a failed reference: stop the other searches' points too
+            CHILDREN.stop()
+            raise
     scales: dict[tuple[str, int], dict[int, float]] = {}
     errors: dict[int, str] = {}
     for ((w, _, i, _), seed), scale, err in found:

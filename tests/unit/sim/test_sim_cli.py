@@ -411,3 +411,30 @@ def test_bench_tune_keeps_going_past_a_candidate_that_cannot_run(files, capsys):
     assert r[0.01]["max_scale"][str(files / "w.yaml")] == 0.0
     assert r[0.5]["error"] is None and r[0.5]["max_scale"][str(files / "w.yaml")] > 0
     assert "cannot run: muxserve: weights_budget 0.01" in capsys.readouterr().out
+
+
+def test_bench_tune_stops_every_search_on_an_interrupt(files, monkeypatch):
+    """Once an interrupt has stopped the points (``CHILDREN.stop()``, as Ctrl-C does in the main thread), no search
+    starts another point and the run ends with the interruption rather than with the remaining candidates marked
+    as unable to run."""
+    from bench import bench_compare, bench_tune
+    from bench.compare_search import CHILDREN
+    calls = []
+
+    def point(args, policy, scale, seed=None, stop_above=None):
+        calls.append(policy)
+        if len(calls) == 3:
+            CHILDREN.stop()
+        return {"tokens_per_s": 1.0, "violation_rate": 0.0, "worst_tenant_violation_rate": 0.0}
+
+    monkeypatch.setattr(bench_compare, "run_sim_point", point)
+    args = argparse.Namespace(policy="container-realloc", grid=["min_deficit=1,2,3"], workloads=str(files / "w.yaml"),
+                              cluster=str(files / "cluster.yaml"), seeds=(7,), containers="homes", duration_s=10.0,
+                              plan_duration_s=None, bound="9", start_scale=8.0, tolerance=0.25, max_scale=256.0,
+                              jobs=1, json_out=None)
+    try:
+        with pytest.raises(RuntimeError, match="interrupted"):
+            bench_tune.tune(args)
+        assert len(calls) == 3
+    finally:
+        CHILDREN.stopping.clear()

@@ -197,13 +197,17 @@ class SlicePolicy(Policy):
     def _close_slow_lanes(self, snapshot: ClusterSnapshot, whatif: Any) -> None:
         """Close to new requests (and stop extending) every "sequences" lease whose lane's predicted TPOT, with
         one more sequence, is past ``guest_margin`` × its tenant's target: the guest's own tenant has come back
-        since the grant, and every token of a lane then waits for one of its iterations too."""
+        since the grant, and every token of a lane then waits for one of its iterations too. A lane that hands its
+        sequences home is priced so only while its home lacks the memory to take them back (``WhatIf.decodes_home``):
+        otherwise they decode in the home's batch and only their prompts wait for the guest."""
         closed = set()
         margin = self.cfg.guest_margin
         for lease in snapshot.leases.values():
             if lease.mode != "sequences" or lease.state != "active":
                 continue
             t = snapshot.tenants[lease.tenant]
+            if lease.handback and whatif.decodes_home(t, snapshot.devices[lease.home_device]):
+                continue
             g = snapshot.devices[lease.guest_device]
             n = g.guest_engines.get(lease.tenant, (0, 0, True))[0] + 1
             if whatif.lane_tpot(snapshot, t, g, lease.share, n) > margin * t.sla.tpot_ms / 1e3:

@@ -266,9 +266,12 @@ class WhatIf:
         ttft_before, _ = self.tenant_latency(hcost, home, ten, snap.now, base_s, p)
         ttft = ttft_before * (1.0 - frac)
         breaks: list[str] = []
-        lane_tpot = self.lane_tpot(snap, ten, guest, cand.share)
-        if lane_tpot > prm.guest_margin * ten.sla.tpot_ms / 1000.0:
-            breaks.append("lease_tpot")  # the tenant's own sequences would be too slow on the guest's share
+        if getattr(cand, "handback", False) and self.decodes_home(ten, home):
+            lane_tpot = base_s  # its sequences only prefill on the guest and decode in the home's batch
+        else:
+            lane_tpot = self.lane_tpot(snap, ten, guest, cand.share)
+            if lane_tpot > prm.guest_margin * ten.sla.tpot_ms / 1000.0:
+                breaks.append("lease_tpot")  # the tenant's own sequences would be too slow on the guest's share
         g_ttft, g_tpot, kv_need = self._guest_side(snap, guest, cand.share, horizon_s, breaks)
         new_bytes = 0 if (cand.tenant, "*") in guest.resident else gcost.weight_bytes
         moved_kv = int(ten.rate_rps * horizon_s * frac * (ten.mean_input + ten.mean_output)
@@ -285,6 +288,12 @@ class WhatIf:
               ((home.id, 1.0 if home.outstanding else 0.0), (guest.id, min(1.0, g_eff + (1 - g_eff) * own_active))))
         return WhatIfResult(cand, base_s, base_s * (1.0 - frac), frac, ttft, lane_tpot, ttft_before, g_ttft, g_tpot,
                             peak, tl, breaks)
+
+    def decodes_home(self, ten: TenantState, home: DeviceState) -> bool:
+        """Whether a lane that hands its sequences home (lane hand-off) would see them decode in ``home``'s batch:
+        the home has memory for the KV its tenant needs soon (:meth:`kv_reserve`), so the hand-off is not refused
+        and the lane only prefills. Its requests' TPOT is then the home's, not the lane's."""
+        return home.free_bytes + home.evictable_bytes >= self.kv_reserve(ten, home)
 
     def lane_tpot(self, snap: ClusterSnapshot, ten: TenantState, guest: DeviceState, share: float,
                   batch: int = LANE_BATCH) -> float:

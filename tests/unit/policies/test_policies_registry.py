@@ -298,3 +298,41 @@ def test_slice_closes_a_lane_that_became_too_slow_to_new_requests_and_lets_it_en
     guest.guest_yield = 0.5  # it yields half its time: on prompt wait alone the lane would still win
     assert not extended() and "L" in pol._closed
     assert pol.route("a", 1000, 100, snap) == "h"
+
+
+def test_slice_keeps_a_hand_off_lane_open_on_a_slow_guest_while_its_home_can_take_the_sequences_back():
+    """A lane granted with the hand-off only prefills: its sequences decode in the home's batch once their KV has
+    crossed, so a guest whose own decoding would make the lane's tokens slow does not make its requests' tokens
+    slow. ``slice`` prices such a lane by the lane's TPOT only while its home lacks the memory to take the
+    sequences back (then they would decode on the guest)."""
+    from shared.config import SLA
+    from shared.model.config import PRESETS
+    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable, TenantState
+    from shared.sim.whatif import WhatIf
+
+    pol = make_policy("slice", {"segments": False})
+    pol.devices_of = {"a": ["h"], "b": ["g"]}
+    sla = SLA(ttft_ms=200, tpot_ms=30)
+    tenants = {"a": TenantState("a", PRESETS["llama-7b"], sla, ["h"], mean_input=1000, mean_output=100),
+               "b": TenantState("b", PRESETS["llama-7b"], sla, ["g"], mean_input=1000, mean_output=100,
+                                rate_rps=2.0)}
+    home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
+                       running=64, queued=30, queued_prefill_tokens=40_000, decode_kv_tokens=64 * 1000,
+                       used_bytes=40 << 30)
+    guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"], busy=True,
+                        running=48, decode_kv_tokens=48 * 1500, guest_share=0.6, guest_yield=0.5,
+                        guest_engines={"a": (2, 0, True)})
+    lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active",
+                       handback=True)
+    snap = ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants, leases=LeaseTable({"L": lease}))
+    whatif = WhatIf()
+    tick = Trigger("tick")
+
+    def extended():
+        return any(isinstance(a, ExtendLease) and a.lease_id == "L" for a in pol.decide(tick, snap, whatif))
+
+    assert whatif.decodes_home(tenants["a"], home)
+    assert extended() and "L" not in pol._closed  # the home takes its sequences back: the lane stays open
+    home.used_bytes = home.limit_bytes - (1 << 30)  # the home's memory is full: they would decode on the guest
+    assert not whatif.decodes_home(tenants["a"], home)
+    assert not extended() and "L" in pol._closed

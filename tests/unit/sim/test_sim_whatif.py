@@ -1,6 +1,7 @@
 """What-if: fast enough for the scheduler, and its predictions move the right way."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -127,3 +128,27 @@ def test_a_lane_on_a_guest_idle_between_requests_is_priced_as_if_its_tenant_were
         g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens, gt.rate_rps, gt.mean_input = saved
     assert gone < back < prompts
     assert w.lane_tpot(s, ten, g, c.share, batch=64) > w.lane_tpot(s, ten, g, c.share, batch=1)
+
+
+def test_a_hand_off_lane_is_priced_by_the_homes_tpot_while_the_home_can_take_its_sequences_back(snap):
+    """With the lane hand-off a lane only prefills and its sequences decode in the home's batch, so a guest whose
+    own long iterations would break a decoding lane's TPOT does not break a hand-off lane's: its predicted TPOT is
+    the home's iteration. When the home lacks the memory to take the sequences back, they would decode on the
+    guest, and the lane's own TPOT decides again."""
+    cluster, s = snap
+    w = WhatIf.for_cluster(cluster)
+    c = _cands(s, 1, share=0.9, mode="sequences")[0]
+    hb = dataclasses.replace(c, handback=True)
+    g, home = s.devices[c.guest_device], s.devices[c.home_device]
+    saved = (g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens, home.used_bytes)
+    try:
+        g.busy, g.queued, g.queued_prefill_tokens = True, 0, 0
+        g.running, g.decode_kv_tokens = 256, 256 * 3000  # a long own iteration: a decoding lane would be too slow
+        plain, handed = w.evaluate(s, [c, hb])
+        home.used_bytes = home.limit_bytes  # no room at home: the hand-off is refused, the lane decodes
+        full = w.evaluate(s, [hb])[0]
+    finally:
+        g.busy, g.running, g.queued, g.queued_prefill_tokens, g.decode_kv_tokens, home.used_bytes = saved
+    assert "lease_tpot" in plain.breaks
+    assert "lease_tpot" not in handed.breaks and handed.tpot_s == pytest.approx(handed.home_iter_s)
+    assert "lease_tpot" in full.breaks and full.tpot_s == pytest.approx(plain.tpot_s)

@@ -7,11 +7,12 @@ here); when that token's chunk is published, :meth:`HandOffs.send` marks the req
 KV stays served by this worker's segment server, :class:`KVExports`), picks the home device of the lane's leases
 with the most free memory and puts a :class:`HandOff` on its stream.
 
-Home, :meth:`HandOffs.receive`: reserves the sequence's KV in the GMG, fetches the KV from the guest (emulated
-devices wait the link's time instead), imports the sequence paused, then commits in the journey hash (worker and
-device change, only while the guest's token is still there); then it tracks the request (its ``HandOff`` entry is
-acked when the request ends, as an ``AssignRequest`` is), publishes :class:`RequestMoved` (the scheduler moves its
-record and releases the guest's KV reservation) and answers :class:`HandOffReply`.
+Home, :meth:`HandOffs.receive` (a task beside the stream handler, so that the fetch holds up no other entry):
+reserves the sequence's KV in the GMG, fetches the KV from the guest (emulated devices wait the link's time
+instead), imports the sequence paused, then commits in the journey hash (worker and device change, only while the
+guest's token is still there); then it tracks the request (its ``HandOff`` entry is acked when the request ends, as
+an ``AssignRequest`` is), publishes :class:`RequestMoved` (the scheduler moves its record and releases the guest's
+KV reservation) and answers :class:`HandOffReply`. A cancel arriving meanwhile is applied after the commit.
 
 Guest again: on ``ok`` it drops its copy and acks the request's ``AssignRequest``; on a refusal or no answer in
 ``HANDOFF_TIMEOUT_S`` it gives up in the journey hash (clears its token) and resumes the sequence where it paused.
@@ -21,6 +22,7 @@ worker continues the request and its token chunks keep their numbering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -33,7 +35,8 @@ import torch
 from services.worker.segment_server import Reply, SegmentClient, TensorMover
 from services.worker.segment_wire import FrameError, KVQuery, KVTensor, wire_dtype
 from shared.gmg import Refused, Reservation
-from shared.messages import HandOff, HandOffReply, InferenceRequest, RequestMoved, events_stream, worker_stream
+from shared.messages import (CancelAssigned, HandOff, HandOffReply, InferenceRequest, RequestMoved, events_stream,
+                             worker_stream)
 from shared.model.engine import SamplingParams, SequenceState
 from shared.redis_util import REDIS_ERRORS
 from shared.requests_state import handoff_step
@@ -124,6 +127,8 @@ class HandOffs:
         self.ready: set[str] = set()  # paused after their first token; sent once that token is published
         self._sending: dict[str, _Sending] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._receiving: dict[str, str] = {}  # request id -> entry id of a hand-off being received here
+        self._cancels: dict[str, CancelAssigned] = {}  # cancels that arrived while their hand-off was received
         self.stats = {"sent": 0, "refused": 0, "received": 0}
 
     # ------------------------------------------------------------ guest
@@ -240,19 +245,70 @@ class HandOffs:
             s.reply.set_result(msg)
 
     # ------------------------------------------------------------ home
+    def receiving(self, rid: str) -> bool:
+        """Whether a hand-off of ``rid`` to this worker is being received (fetched, not yet committed)."""
+        return rid in self._receiving
+
+    def cancel_after(self, msg: CancelAssigned) -> None:
+        """A cancel for a request being received: applied once the hand-off commits here (or forwarded to the
+        guest, which keeps the request, if it is refused)."""
+        self._cancels[msg.request_id] = msg
+
     async def receive(self, entry_id: str, msg: HandOff) -> str:
-        w, r = self.w, msg.request
-        rid = r.request_id
+        """Stream handler: receive the hand-off in the background — its KV fetch must not hold up this worker's
+        other messages (its own tenant's new requests, cancels, leases, other hand-offs) — and leave its entry
+        pending: it is acked when the request ends here, or as soon as the hand-off is refused."""
+        w, rid = self.w, msg.request.request_id
         if rid in w.tracker.items:  # our entry re-delivered stays pending; another copy is acked
             return DEFER if w.tracker.items[rid].entry_id == entry_id else ACK
+        if rid in self._receiving:  # being received: the same for an entry reclaimed meanwhile
+            return DEFER if self._receiving[rid] == entry_id else ACK
+        self._receiving[rid] = entry_id
+        task = asyncio.create_task(self._receive(entry_id, msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return DEFER
+
+    async def _receive(self, entry_id: str, msg: HandOff) -> None:
+        w, rid = self.w, msg.request.request_id
+        try:
+            try:
+                ok = await self._take(entry_id, msg)
+            except REDIS_ERRORS as e:  # the entry stays pending and is reclaimed; the guest resumes meanwhile
+                log.warning("handoff_receive_redis_error", request_id=rid, error=repr(e))
+                return
+            except Exception as e:  # the guard: a bad hand-off is refused, never left hanging
+                log.exception("handoff_receive_failed", request_id=rid)
+                await self._release_retrying(rid)
+                with contextlib.suppress(*REDIS_ERRORS):  # unanswered, the guest gives up and resumes anyway
+                    await self._refuse(msg, f"error: {e!r}")
+                ok = False
+            late = self._cancels.pop(rid, None)
+            if not ok:
+                await w.ack_retrying(entry_id)
+                if late is not None:  # the guest keeps the request: the cancel is its to apply
+                    await w.producer.add(worker_stream(w.p, msg.from_device), late)
+            elif late is not None:
+                w.pending_ops.append(("cancel", late))
+                w.wake.set()
+        finally:
+            self._receiving.pop(rid, None)
+            self._cancels.pop(rid, None)
+
+    async def _take(self, entry_id: str, msg: HandOff) -> bool:
+        """Reserve, fetch, import and commit ``msg``'s sequence; False when refused (the guest was told)."""
+        w, r = self.w, msg.request
+        rid = r.request_id
         if r.tenant != w.tenant.name:
-            return await self._refuse(msg, "not_home")
+            await self._refuse(msg, "not_home")
+            return False
         eng = w.engine
         nblocks = eng.blocks_needed(len(r.prompt_ids), r.max_tokens)
         owner = f"kv:{rid}"
         res = await w.gmg.reserve([Reservation(w.device.id, owner, "kv", r.tenant, nblocks * eng.kv_bytes_per_block)])
         if isinstance(res, Refused) and res.reason != "duplicate":
-            return await self._refuse(msg, f"memory: {res.reason}")
+            await self._refuse(msg, f"memory: {res.reason}")
+            return False
         try:
             kv = await w.lease_agent.fetch_kv(msg.from_device, KVQuery(request_id=rid, token=msg.token,
                                                                        home_device=w.device.id), msg) \
@@ -261,26 +317,40 @@ class HandOffs:
             await self._on_compute(self._import_paused, state)
         except (OSError, FrameError, TimeoutError, RuntimeError, ValueError) as e:
             await w.gmg.release(w.device.id, owner)
-            return await self._refuse(msg, f"import: {e}")
+            await self._refuse(msg, f"import: {e}")
+            return False
         if not await handoff_step(w.redis, w.p, rid, "commit", msg.token, w.worker_id, w.device.id,
                                   f"{time.time():.6f}"):
             await self._on_compute(eng.cancel, rid)
             await w.gmg.release(w.device.id, owner)
-            return await self._refuse(msg, "given_up")
+            await self._refuse(msg, "given_up")
+            return False
         t = w.tracker.add(r, entry_id, nblocks)
         t.seq, t.started_ts, t.first_token_ts = msg.seq, msg.started_ts, msg.first_token_ts
         t.completion_tokens = msg.completion_tokens
         w.engine_of[rid] = eng
         self.stats["received"] += 1
-        await w.producer.add(events_stream(w.p), RequestMoved(
-            msg_id=uuid.uuid4().hex, request_id=rid, tenant=r.tenant, from_device=msg.from_device,
-            device=w.device.id, worker_id=w.worker_id, kv_blocks=nblocks, ts=time.time()), durable=True)
-        await w.producer.add(worker_stream(w.p, msg.from_device), HandOffReply(
-            msg_id=uuid.uuid4().hex, request_id=rid, token=msg.token, ok=True))
+        # committed: this worker runs the request now, so what follows must get through Redis trouble
+        moved = RequestMoved(msg_id=uuid.uuid4().hex, request_id=rid, tenant=r.tenant, from_device=msg.from_device,
+                             device=w.device.id, worker_id=w.worker_id, kv_blocks=nblocks, ts=time.time())
+        reply = HandOffReply(msg_id=uuid.uuid4().hex, request_id=rid, token=msg.token, ok=True)
+        await w.retrying(lambda: w.producer.add(events_stream(w.p), moved, durable=True), "handoff_moved_retry",
+                         request_id=rid)
+        await w.retrying(lambda: w.producer.add(worker_stream(w.p, msg.from_device), reply), "handoff_reply_retry",
+                         request_id=rid)
         await self._on_compute(eng.resume, rid)
         w.wake.set()
         log.info("handoff_received", request_id=rid, guest=msg.from_device, kv_layers=len(state.kv))
-        return DEFER  # acked when the request ends
+        return True
+
+    async def _release_retrying(self, rid: str) -> None:
+        """Drop this worker's KV reservation of a refused hand-off and its imported copy, if any."""
+        w = self.w
+        try:
+            await self._on_compute(w.engine.cancel, rid)
+        except Exception:  # nothing imported: nothing to drop
+            pass
+        await w.retrying(lambda: w.gmg.release(w.device.id, f"kv:{rid}"), "handoff_release_retry", request_id=rid)
 
     def _import_paused(self, state: SequenceState) -> None:
         """Compute thread: the imported sequence waits (paused) until this worker has committed and tracks it."""
@@ -294,11 +364,10 @@ class HandOffs:
         return SequenceState(r.request_id, list(r.prompt_ids), list(msg.output), sampling_params(r), msg.computed,
                              msg.pending, gen, tuple(msg.detok), kv)
 
-    async def _refuse(self, msg: HandOff, reason: str) -> str:
+    async def _refuse(self, msg: HandOff, reason: str) -> None:
         log.info("handoff_refused", request_id=msg.request.request_id, guest=msg.from_device, reason=reason)
         await self.w.producer.add(worker_stream(self.w.p, msg.from_device), HandOffReply(
             msg_id=uuid.uuid4().hex, request_id=msg.request.request_id, token=msg.token, ok=False, reason=reason))
-        return ACK
 
     async def close(self) -> None:
         for task in list(self._tasks):

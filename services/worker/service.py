@@ -230,6 +230,8 @@ class WorkerService:
             if msg.request_id in self.tracker.items:
                 self.pending_ops.append(("cancel", msg))
                 self.wake.set()
+            elif self.handoffs.receiving(msg.request_id):
+                self.handoffs.cancel_after(msg)
             return ACK
         return ACK
 

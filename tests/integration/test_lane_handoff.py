@@ -277,3 +277,46 @@ async def test_the_scheduler_follows_a_moved_request(redis_url, prefix, redis):
         assert "r1" not in sched.assigned
     finally:
         await sched.redis.aclose()
+
+
+async def test_the_home_takes_other_messages_while_it_fetches_a_handed_over_sequence(mesh, redis, prefix):
+    """The KV fetch of a hand-off runs beside the home's stream handling: a request of the home's own tenant
+    assigned meanwhile gets its first token before the fetch ends, and a cancel of the handed-over request that
+    arrives during the fetch is applied once the hand-off commits (not dropped because the request is not
+    tracked yet)."""
+    from shared.messages import CancelAssigned
+
+    cluster, tenants, workers, store = mesh
+    home = workers["cpu0"]
+    started, release = asyncio.Event(), asyncio.Event()
+    fetch = home.lease_agent.fetch_kv
+
+    async def gated(*args, **kw):
+        started.set()
+        await asyncio.wait_for(release.wait(), 4.0)  # under the guest's HANDOFF_TIMEOUT_S
+        return await fetch(*args, **kw)
+
+    home.lease_agent.fetch_kv = gated
+    await _lease_on_cpu1(redis, prefix, workers, handback=True)
+    gw = f"gw{uuid.uuid4().hex[:6]}"
+    (moving,) = await _assign(redis, prefix, store, gw, PROMPTS[:1], 64)
+    await asyncio.wait_for(started.wait(), 30)
+    # as the scheduler: one request of the home's own tenant on the home, and a cancel of the one being received
+    (own,) = await _assign(redis, prefix, store, gw + "own", PROMPTS[1:], 4, guest="cpu0")
+    await StreamProducer(redis).add(worker_stream(prefix, "cpu0"), CancelAssigned(
+        msg_id=uuid.uuid4().hex, request_id=moving, tenant="tiny-a"))
+    own_chunks = await _collect(redis, prefix, gw + "own", [own], timeout_s=3.5)
+    assert home.handoffs.stats["received"] == 0 and home.handoffs.receiving(moving)  # the fetch is still held
+    assert own_chunks[own][-1].finish_reason == "length"
+    release.set()
+    deadline = time.monotonic() + 20
+    while True:
+        fin = {e.request_id: e for e in await _events(redis, prefix) if isinstance(e, RequestFinished)}
+        if moving in fin:
+            break
+        assert time.monotonic() < deadline, "the cancelled request never ended"
+        await asyncio.sleep(0.1)
+    assert home.handoffs.stats["received"] == 1
+    assert fin[moving].device == "cpu0" and fin[moving].outcome == "cancelled"
+    assert fin[moving].completion_tokens < 64
+    assert not home.handoffs.receiving(moving) and moving not in home.tracker.items

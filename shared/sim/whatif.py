@@ -266,7 +266,7 @@ class WhatIf:
         ttft_before, _ = self.tenant_latency(hcost, home, ten, snap.now, base_s, p)
         ttft = ttft_before * (1.0 - frac)
         breaks: list[str] = []
-        if getattr(cand, "handback", False) and self.decodes_home(ten, home):
+        if cand.handback and self.decodes_home(ten, home):
             lane_tpot = base_s  # its sequences only prefill on the guest and decode in the home's batch
         else:
             lane_tpot = self.lane_tpot(snap, ten, guest, cand.share)

@@ -346,10 +346,7 @@ class HandOffs:
     async def _release_retrying(self, rid: str) -> None:
         """Drop this worker's KV reservation of a refused hand-off and its imported copy, if any."""
         w = self.w
-        try:
-            await self._on_compute(w.engine.cancel, rid)
-        except Exception:  # nothing imported: nothing to drop
-            pass
+        await self._on_compute(w.engine.cancel, rid)  # False (nothing dropped) when it was never imported
         await w.retrying(lambda: w.gmg.release(w.device.id, f"kv:{rid}"), "handoff_release_retry", request_id=rid)
 
     def _import_paused(self, state: SequenceState) -> None:

@@ -300,15 +300,13 @@ class HandOffs:
         w, r = self.w, msg.request
         rid = r.request_id
         if r.tenant != w.tenant.name:
-            await self._refuse(msg, "not_home")
-            return False
+            return await self._refuse(msg, "not_home")
         eng = w.engine
         nblocks = eng.blocks_needed(len(r.prompt_ids), r.max_tokens)
         owner = f"kv:{rid}"
         res = await w.gmg.reserve([Reservation(w.device.id, owner, "kv", r.tenant, nblocks * eng.kv_bytes_per_block)])
         if isinstance(res, Refused) and res.reason != "duplicate":
-            await self._refuse(msg, f"memory: {res.reason}")
-            return False
+            return await self._refuse(msg, f"memory: {res.reason}")
         try:
             kv = await w.lease_agent.fetch_kv(msg.from_device, KVQuery(request_id=rid, token=msg.token,
                                                                        home_device=w.device.id), msg) \
@@ -317,14 +315,12 @@ class HandOffs:
             await self._on_compute(self._import_paused, state)
         except (OSError, FrameError, TimeoutError, RuntimeError, ValueError) as e:
             await w.gmg.release(w.device.id, owner)
-            await self._refuse(msg, f"import: {e}")
-            return False
+            return await self._refuse(msg, f"import: {e}")
         if not await handoff_step(w.redis, w.p, rid, "commit", msg.token, w.worker_id, w.device.id,
                                   f"{time.time():.6f}"):
             await self._on_compute(eng.cancel, rid)
             await w.gmg.release(w.device.id, owner)
-            await self._refuse(msg, "given_up")
-            return False
+            return await self._refuse(msg, "given_up")
         t = w.tracker.add(r, entry_id, nblocks)
         t.seq, t.started_ts, t.first_token_ts = msg.seq, msg.started_ts, msg.first_token_ts
         t.completion_tokens = msg.completion_tokens
@@ -361,10 +357,12 @@ class HandOffs:
         return SequenceState(r.request_id, list(r.prompt_ids), list(msg.output), sampling_params(r), msg.computed,
                              msg.pending, gen, tuple(msg.detok), kv)
 
-    async def _refuse(self, msg: HandOff, reason: str) -> None:
+    async def _refuse(self, msg: HandOff, reason: str) -> bool:
+        """Tell the guest the hand-off is refused (it resumes the request); False, for :meth:`_take`."""
         log.info("handoff_refused", request_id=msg.request.request_id, guest=msg.from_device, reason=reason)
         await self.w.producer.add(worker_stream(self.w.p, msg.from_device), HandOffReply(
             msg_id=uuid.uuid4().hex, request_id=msg.request.request_id, token=msg.token, ok=False, reason=reason))
+        return False
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -78,6 +78,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the policies that take it (slice) run with lane_handback true (on) or false (off): guest "
                         "lanes hand each prefilled sequence to the home device (docs/guest-execution.md); every "
                         "fidelity; default: the policy's own setting (on)")
+    p.add_argument("--reuse", action="append", default=[], metavar="POLICY=FILE",
+                   help="take POLICY's searches from an earlier compare JSON instead of running them again (repeat "
+                        "per policy); FILE must have the same workload, cluster, fidelity, seeds, duration, scale "
+                        "mode and search settings, and its partition is used for every policy. Only for a policy "
+                        "whose code has not changed since FILE was written (e.g. the baseline while tuning slice)")
     p.add_argument("--json", dest="json_out", default=None)
 
 
@@ -210,7 +215,8 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
     log: list[dict[str, Any]] = []
     serial = args.fidelity in SERIAL_FIDELITIES
     seeds = seeds_of(args)
-    tasks = [(seed, p) for seed in seeds for p in policies]
+    reused = reused_searches(args, policies)
+    tasks = [(seed, p) for seed in seeds for p in policies if (seed, p) not in reused]
     turns = _Turns([f"{s}:{p}" for s, p in tasks]) if serial else None
     t0 = time.perf_counter()
     homes, containers = resolve_containers(args)
@@ -248,7 +254,7 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
                 out["leases"] = r.get("leases") if r else None
         return out
 
-    jobs = len(tasks) if serial else max(1, args.jobs)  # serial: one thread per search, turns keep one point
+    jobs = max(1, len(tasks)) if serial else max(1, args.jobs)  # serial: one thread per search, turns keep one point
     CHILDREN.stopping.clear()
     with ThreadPoolExecutor(max_workers=jobs) as ex:
         try:
@@ -256,6 +262,9 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
         except BaseException:  # an interrupt or a failed point: stop the other searches' points too
             CHILDREN.stop()
             raise
+    for (seed, p), (r, runs) in reused.items():
+        results[(seed, p)] = r
+        log.extend(runs)
     per_seed = {}
     for seed in seeds:
         pol = {p: results[(seed, p)] for p in policies}
@@ -266,14 +275,73 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
                            "tuning_seeds": containers.get("tuning_seeds"),
                            "duration_s": args.duration_s, "scale_mode": getattr(args, "scale_mode", None),
                            "containers": containers, "confirm": confirm_of(args),
-                           "sim_steering": getattr(args, "sim_steering", None),
+                           "sim_steering": getattr(args, "sim_steering", None), "search": search_settings(args),
                            "wall_s": time.perf_counter() - t0, "per_seed": per_seed}
+    if reused:
+        res["reused"] = {p: f for p, f in (r.split("=", 1) for r in args.reuse)}
     if getattr(args, "lane_handback", None):
         res["lane_handback"] = {p: args.lane_handback for p in policies if handback_params(args, p)}
     res["ratio_to_container"] = median_of(per_seed, "ratio_to_container")
     res["pooled_gain_captured"] = median_of(per_seed, "pooled_gain_captured")
     res["runs"] = sorted(log, key=lambda x: (x["policy"], str(x["seed"]), x["scale"]))
     return res
+
+
+def search_settings(args: argparse.Namespace) -> dict[str, float]:
+    """What decides which points a search visits (kept in the JSON so that ``--reuse`` can check it)."""
+    return {k: getattr(args, k, None) for k in ("start_scale", "tolerance", "max_scale")}
+
+
+_SAME = ("workload", "cluster", "fidelity", "duration_s", "scale_mode")
+
+
+class ReuseError(ValueError):
+    """A ``--reuse POLICY=FILE`` that cannot be honoured; the message names the option and what differs."""
+
+
+def reused_searches(args: argparse.Namespace,
+                    policies: list[str]) -> dict[tuple[int | None, str], tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """``(seed, policy) -> (search result, its logged points)`` taken from ``--reuse POLICY=FILE``. The earlier
+    run must match this one on every setting that decides a search's answer; its partition (``containers``)
+    becomes this run's, so a planned partition is not planned again."""
+    out: dict[tuple[int | None, str], tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    mode = containers_mode(args) if not isinstance(getattr(args, "containers", None), Mapping) else None
+    for spec in getattr(args, "reuse", None) or []:
+        policy, sep, path = spec.partition("=")
+        if not sep or not policy or not path:
+            raise ReuseError(f"--reuse {spec!r}: expected POLICY=FILE")
+        if policy not in policies:
+            raise ReuseError(f"--reuse {spec!r}: {policy} is not among --policies ({', '.join(policies)})")
+        try:
+            prev = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ReuseError(f"--reuse {spec!r}: cannot read {path}: {e}") from None
+        for k in _SAME:
+            if prev.get(k) != getattr(args, k, None):
+                raise ReuseError(f"--reuse {spec!r}: {k} differs ({prev.get(k)!r} there, {getattr(args, k, None)!r}"
+                                 " here)")
+        mine = search_settings(args)
+        for k, v in (prev.get("search") or {}).items():
+            if v != mine.get(k):
+                raise ReuseError(f"--reuse {spec!r}: --{k.replace('_', '-')} differs ({v!r} there, {mine[k]!r} here)")
+        c = prev.get("containers") or {}
+        if mode is not None and c.get("mode") != mode:
+            raise ReuseError(f"--reuse {spec!r}: --containers differs ({c.get('mode')!r} there, {mode!r} here)")
+        if c.get("mode") == "plan":
+            dur = getattr(args, "plan_duration_s", None) or args.duration_s
+            if c.get("tuning_seeds") != list(args.tuning_seeds) or c.get("duration_s") != dur:
+                raise ReuseError(f"--reuse {spec!r}: the partition was planned on seeds {c.get('tuning_seeds')} over "
+                                 f"{c.get('duration_s')} s, this run plans on {list(args.tuning_seeds)} over {dur} s")
+        if isinstance(getattr(args, "containers", None), Mapping) and dict(args.containers) != c:
+            raise ReuseError(f"--reuse {spec!r}: its partition differs from another --reuse file's")
+        args.containers = c
+        for seed in seeds_of(args):
+            r = (prev.get("per_seed") or {}).get(str(seed), {}).get("policies", {}).get(policy)
+            if r is None:
+                raise ReuseError(f"--reuse {spec!r}: no {policy} search on seed {seed} there")
+            runs = [x for x in prev.get("runs", []) if x.get("policy") == policy and x.get("seed") == seed]
+            out[(seed, policy)] = (r, runs)
+    return out
 
 
 def point_params(args: argparse.Namespace, policy: str) -> dict[str, Any]:
@@ -332,7 +400,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(args.workload, "(file)", "workload file not found")
     if mode not in ("plan", "homes", "sized") and not Path(mode).is_file():
         raise ConfigError(mode, "(file)", "containers file not found")
-    res = compare(args, policies)
+    try:
+        res = compare(args, policies)
+    except ReuseError as e:
+        return _usage(str(e))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(res, indent=1))

@@ -134,6 +134,42 @@ def test_bench_compare_small(files, capsys):
     assert rc == 2
 
 
+def test_bench_compare_reuses_an_unchanged_policys_searches(files, capsys, monkeypatch):
+    """``--reuse container=FILE`` takes container's searches (and its partition) from an earlier run with the same
+    settings and runs only the others; the ratio is computed as if it had run. A run whose settings differ is
+    refused in one line naming what differs."""
+    from bench import bench_compare
+    first = files / "first.json"
+    base = ["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+            "--duration-s", "20", "--tolerance", "0.3", "--start-scale", "8", "--seeds", "1", "--tuning-seeds", "7"]
+    assert main([*base, "--policies", "container", "--json", str(first)]) == 0
+    prev = json.loads(first.read_text())
+    assert prev["search"] == {"start_scale": 8.0, "tolerance": 0.3, "max_scale": 256.0}
+    ran: list[str] = []
+    real = bench_compare._runner("sim")
+    monkeypatch.setattr(bench_compare, "_runner", lambda fidelity: lambda a, policy, *x, **k: (
+        ran.append(policy), real(a, policy, *x, **k))[1])
+    second = files / "second.json"
+    assert main([*base, "--policies", "container,container-avgwork", "--reuse", f"container={first}",
+                 "--json", str(second)]) == 0
+    r = json.loads(second.read_text())
+    assert ran and set(ran) == {"container-avgwork"}  # container was not searched again
+    assert r["per_seed"]["1"]["policies"]["container"] == prev["per_seed"]["1"]["policies"]["container"]
+    assert r["containers"] == prev["containers"] and r["reused"] == {"container": str(first)}
+    assert [x for x in r["runs"] if x["policy"] == "container"] == prev["runs"]
+    cont, avg = (r["per_seed"]["1"]["policies"][p]["tokens_per_s_9"] for p in ("container", "container-avgwork"))
+    assert r["ratio_to_container"]["container-avgwork"]["9"] == pytest.approx(avg / cont)
+    capsys.readouterr()
+    for extra, named in ((["--duration-s", "30"], "duration_s"), (["--tolerance", "0.2"], "--tolerance"),
+                         (["--seeds", "2"], "seed 2"), (["--tuning-seeds", "8"], "planned on seeds [7]")):
+        args = [*base, "--policies", "container", "--reuse", f"container={first}", *extra]
+        assert main(args) == 2 and named in _one_line_error(capsys), extra
+    assert main([*base, "--policies", "slice", "--reuse", f"container={first}"]) == 2
+    assert "not among --policies" in _one_line_error(capsys)
+    assert main([*base, "--policies", "container", "--reuse", "container"]) == 2
+    assert "POLICY=FILE" in _one_line_error(capsys)
+
+
 def test_simulate_containers_sized_or_the_tenants_homes(files):
     """``sized`` spreads the tenants over every device by offered work; ``homes`` keeps the tenants file's home
     devices (as the live mesh runs), so g3 (no tenant's home) stays idle under ``container``."""

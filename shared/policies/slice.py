@@ -49,6 +49,7 @@ class SliceConfig(PolicyConfig):
     share_max: float = 0.6  # most of a busy guest's time one lease may take
     min_share: float = 0.1
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit
+    lane_tpot_fraction: float = 0.8  # >0: a home whose decode step is past this × TPOT target sends prompts to lanes
     max_leases: int = 3  # leases one home device may hold at once
     guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
     tick_s: float = 0.2
@@ -101,9 +102,11 @@ class SlicePolicy(Policy):
             assert best == want, f"load index out of date: {best} != {want}"
         if best is None or not snapshot.leases:
             return best
-        model = snapshot.tenants[tenant].model
+        ten = snapshot.tenants[tenant]
+        model = ten.model
         home = snapshot.devices[best]
-        best_wait = (home.queued_prefill_tokens + input_tokens) * self._per_token(model, home.kind)
+        home_wait = (home.queued_prefill_tokens + input_tokens) * self._per_token(model, home.kind)
+        lane, lane_wait = None, float("inf")
         for lease in snapshot.leases_of(tenant):
             if lease.mode != "sequences" or lease.state != "active" or lease.id in self._closed:
                 continue
@@ -119,9 +122,24 @@ class SlicePolicy(Policy):
             if eff <= 0.05:
                 continue
             wait = (ge[1] + input_tokens) * self._per_token(model, g.kind) / eff
-            if wait < best_wait:
-                best, best_wait = g.id, wait
+            if wait < lane_wait:
+                lane, lane_wait = g.id, wait
+        if lane is None:
+            return best
+        if lane_wait < home_wait:
+            return lane
+        cfg = self.cfg
+        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and lane_wait < ten.sla.ttft_ms / 1e3 \
+                and self._tpot_tight(ten, home):
+            return lane  # each step that prefilled it at home would slow the whole batch past its TPOT target
         return best
+
+    def _tpot_tight(self, ten, home: DeviceState) -> bool:
+        """The home's decode step alone is past ``lane_tpot_fraction`` × its tenant's TPOT target."""
+        if not home.running:
+            return False
+        step = cost_for(ten.model, home.kind).iteration_time(home.running, home.decode_kv_tokens)
+        return step > self.cfg.lane_tpot_fraction * ten.sla.tpot_ms / 1e3
 
     def _per_token(self, model, kind: str) -> float:
         key = (id(model), kind)

@@ -336,3 +336,44 @@ def test_slice_keeps_a_hand_off_lane_open_on_a_slow_guest_while_its_home_can_tak
     home.used_bytes = home.limit_bytes - (1 << 30)  # the home's memory is full: they would decode on the guest
     assert not whatif.decodes_home(tenants["a"], home)
     assert not extended() and "L" in pol._closed
+
+
+def test_slice_sends_a_prompt_to_a_hand_off_lane_while_its_homes_decode_step_is_near_the_tpot_target():
+    """A prompt prefilled at home adds its chunks to the steps of the home's whole batch. When the home's decode
+    step alone is already past ``lane_tpot_fraction`` × the TPOT target, ``slice`` sends the prompt to an open
+    hand-off lane that can still meet the TTFT target, even if the home's prompt queue is shorter (ServeGen's
+    long-prompt tenant: most of its violations were TPOT misses after a prefill at home). Off with the fraction 0,
+    without the hand-off (the sequence would then decode on the guest), or while the home's step is light."""
+    from shared.config import SLA
+    from shared.costmodel import cost_for
+    from shared.model.config import PRESETS
+    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable, TenantState
+
+    model = PRESETS["llama-7b"]
+    step = cost_for(model, "h100-80gb").iteration_time(64, 64 * 2000)
+    sla = SLA(ttft_ms=2000, tpot_ms=step * 1e3 / 0.9)  # the home's step alone is 0.9 × the TPOT target
+    tenants = {"a": TenantState("a", model, sla, ["h"], mean_input=2000, mean_output=500),
+               "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
+
+    def snap(running: int) -> ClusterSnapshot:
+        home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
+                           running=running, queued_prefill_tokens=0, decode_kv_tokens=running * 2000)
+        guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
+                            busy=True, running=8, decode_kv_tokens=8 * 1000, guest_share=0.6, guest_yield=0.5,
+                            guest_engines={"a": (0, 4000, True)})
+        lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active",
+                           handback=True)
+        return ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants,
+                               leases=LeaseTable({"L": lease}))
+
+    def route(params: dict, running: int = 64) -> str:
+        pol = make_policy("slice", {"segments": False, **params})
+        pol.devices_of = {"a": ["h"], "b": ["g"]}
+        return pol.route("a", 2000, 500, snap(running))
+
+    assert make_policy("slice").config.lane_tpot_fraction == 0.8
+    assert route({}) == "g"  # the home's queue is empty, but its step is tight: the lane prefills it
+    assert route({"lane_tpot_fraction": 0.0}) == "h"  # off: the shorter queue wins
+    assert route({"lane_handback": False}) == "h"  # it would decode on the guest
+    assert route({"lane_tpot_fraction": 0.95}) == "h"  # 0.9 × the target is not past 0.95 ×
+    assert route({}, running=8) == "h"  # a light batch: prefilling at home costs its steps little

@@ -19,19 +19,10 @@ from services.simulator.service import SimulatorService
 from bench.synthetic_state import write_synthetic_state
 
 from support.sim_pair import CLUSTER, TENANTS
+from support.wait import until
 
 pytestmark = pytest.mark.integration
 
-
-
-async def _until(pred, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = await pred()
-        if v:
-            return v
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 async def test_service_forecasts_answers_and_corrects(redis_url, redis, prefix):
@@ -44,7 +35,7 @@ async def test_service_forecasts_answers_and_corrects(redis_url, redis, prefix):
     task = asyncio.create_task(svc.run(serve_http=False))
     client = WhatIfClient(redis, redis_url, prefix)
     try:
-        await _until(lambda: redis.exists(sim_forecast_key(prefix, "c0")))
+        assert await until(lambda: redis.exists(sim_forecast_key(prefix, "c0")))
         fc = {k.decode(): v.decode() for k, v in (await redis.hgetall(sim_forecast_key(prefix, "c0"))).items()}
         assert fc["label"] == "simulated" and fc["tenant"] == "a" and int(fc["limit"]) > 0
         rates = {k.decode(): v.decode() for k, v in (await redis.hgetall(sim_rates_key(prefix))).items()}
@@ -65,7 +56,8 @@ async def test_service_forecasts_answers_and_corrects(redis_url, redis, prefix):
         async def refused():
             r = await client.whatif(cands[:1], timeout_s=5.0)
             return r if r.epoch >= epoch else None
-        r2 = await _until(refused)
+        r2 = await until(refused)
+        assert r2
         assert not r2.outcomes[0].memory_ok and "memory:c0" in r2.outcomes[0].reasons
 
         # measured segment times 3x the model: the correction factor and error metric appear
@@ -74,9 +66,9 @@ async def test_service_forecasts_answers_and_corrects(redis_url, redis, prefix):
             await StreamProducer(redis).add(events_stream(prefix), StepReport(
                 msg_id=f"s{i}", device="c0", tenant="a", window_start_ts=i, window_end_ts=i + 0.5, steps=4,
                 busy_ms=1.0, segments=[SegmentStat("mlp[1]", 8, 4, 4 * 3.0 * cost.mlp_time(8) * 1e3)]))
-        corr = await _until(lambda: redis.hget(sim_corrections_key(prefix), "c0/mlp"))
+        corr = await until(lambda: redis.hget(sim_corrections_key(prefix), "c0/mlp"))
         assert corr
-        await _until(lambda: _eq(svc.core.corrections.snapshot().get("c0/mlp", {}).get("samples"), 30))
+        assert await until(lambda: _eq(svc.core.corrections.snapshot().get("c0/mlp", {}).get("samples"), 30))
         assert svc.core.corrections.factor("c0", "mlp") == pytest.approx(3.0, rel=0.05)
         metrics = generate_latest(svc.shell.registry).decode()
         assert 'slicesched_sim_prediction_error{device="c0",op="mlp"}' in metrics

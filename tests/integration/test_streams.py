@@ -11,6 +11,7 @@ from shared.messages import (AssignRequest, CancelRequest, InferenceRequest, Req
 from shared.redis_util import blocking_client
 from shared.streams import ACK, StreamConsumer, StreamProducer, safe_trim
 from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
+from support.wait import until
 
 pytestmark = pytest.mark.integration
 
@@ -111,13 +112,6 @@ async def test_poison_and_failing_entries_go_to_dead_letter(redis, redis_url, pr
     await c.blocking.aclose()
 
 
-async def _until(pred, timeout_s: float = 10.0) -> None:
-    """Poll ``pred`` until it holds or ``timeout_s`` passes (the caller's assertions then say what is missing)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not pred() and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-
-
 async def test_restart_rereads_own_pending_first(redis, redis_url, prefix):
     stream = await _fill(redis, prefix, 5)
     seen = []
@@ -129,7 +123,7 @@ async def test_restart_rereads_own_pending_first(redis, redis_url, prefix):
     c = _consumer(redis, redis_url, prefix, "A", handler, count=2)
     stop = asyncio.Event()
     task = asyncio.create_task(c.run(stop))
-    await _until(lambda: len(seen) >= 5)  # a loaded runner (or a cluster rig) may take longer than a fixed sleep
+    await until(lambda: len(seen) >= 5)  # a loaded runner (or a cluster rig) may take longer than a fixed sleep
     stop.set()
     await task
     assert seen == [f"r{i}" for i in range(5)]
@@ -137,7 +131,7 @@ async def test_restart_rereads_own_pending_first(redis, redis_url, prefix):
     c2 = _consumer(redis, redis_url, prefix, "A", handler, count=2)
     stop2 = asyncio.Event()
     task = asyncio.create_task(c2.run(stop2))
-    await _until(lambda: len(seen) >= 10)
+    await until(lambda: len(seen) >= 10)
     stop2.set()
     await task
     assert seen[5:] == [f"r{i}" for i in range(5)]

@@ -13,6 +13,7 @@ import pytest
 
 from gateway_harness import BOS, KEY_A, KEY_B, Responder, make_gateway
 from services.gateway.openapi import openapi_document
+from support.wait import until
 
 pytestmark = pytest.mark.integration
 DOC = openapi_document()
@@ -168,15 +169,6 @@ async def test_request_error_mid_stream(gw):
     assert ev[2]["error"]["code"] == "worker_failed" and ev[3] == "[DONE]" and len(ev) == 4
 
 
-async def _wait_for(pred, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.02)
-    return False
-
-
 async def test_disconnect_mid_stream_sends_cancel(gw):
     async with aiohttp.ClientSession() as s:
         resp = await s.post(gw.url + "/v1/completions", headers=auth(),
@@ -184,10 +176,10 @@ async def test_disconnect_mid_stream_sends_cancel(gw):
         rid = resp.headers["X-Request-Id"]
         await resp.content.readuntil(b"\n\n")
         resp.close()  # drop the connection mid-stream
-    assert await _wait_for(lambda: any(c.request_id == rid for c in gw.responder.cancels))
+    assert await until(lambda: any(c.request_id == rid for c in gw.responder.cancels))
     cancel = next(c for c in gw.responder.cancels if c.request_id == rid)
     assert cancel.tenant == "ta" and cancel.reason == "client_disconnected"
-    assert await _wait_for(lambda: gw.gateway.admission.total_inflight == 0)
+    assert await until(lambda: gw.gateway.admission.total_inflight == 0)
     assert gw.gateway.router.pending_count() == 0
 
 
@@ -195,11 +187,11 @@ async def test_disconnect_while_waiting_non_streaming_sends_cancel(gw):
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(s.post(gw.url + "/v1/completions", headers=auth(),
                                           json={"model": "ta", "prompt": "SILENT"}))
-        assert await _wait_for(lambda: len(gw.responder.requests) == 1)
+        assert await until(lambda: len(gw.responder.requests) == 1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     rid = next(iter(gw.responder.requests))
-    assert await _wait_for(lambda: any(c.request_id == rid for c in gw.responder.cancels))
+    assert await until(lambda: any(c.request_id == rid for c in gw.responder.cancels))
 
 
 async def test_cancellation_storm_then_no_mixups(gw):
@@ -221,7 +213,7 @@ async def test_cancellation_storm_then_no_mixups(gw):
 
     for st, text, n, i in await asyncio.gather(*(good(i) for i in range(30))):
         assert st == 200 and n == 1 + i % 9 and text == "abcdefghi"[:n]
-    assert await _wait_for(lambda: gw.gateway.admission.total_inflight == 0)
+    assert await until(lambda: gw.gateway.admission.total_inflight == 0)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -236,7 +228,7 @@ async def test_idle_timeout_is_504_and_cancels(redis, redis_url, prefix, stream)
                                 {"model": "ta", "prompt": "SILENT", "stream": stream})
         assert st == 504 and json.loads(raw)["error"]["code"] == "request_timeout"
         assert time.monotonic() - t0 < 3
-        assert await _wait_for(lambda: any(c.request_id == h["X-Request-Id"] and c.reason == "idle_timeout"
+        assert await until(lambda: any(c.request_id == h["X-Request-Id"] and c.reason == "idle_timeout"
                                            for c in responder.cancels))
     finally:
         stop.set()

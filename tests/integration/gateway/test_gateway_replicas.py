@@ -4,7 +4,6 @@ global in-flight bound once, not three times; a dead gateway's counts stop count
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 import pytest
@@ -13,6 +12,7 @@ from gateway_harness import KEY_A, KEY_Q, TENANTS, Responder, make_gateway
 from services.gateway.quota_store import QuotaStore, Refusal
 from shared.config import parse_tenants
 from support.redis_kinds import redis_url  # noqa: F401  (single server and cluster)
+from support.wait import until
 
 pytestmark = pytest.mark.integration
 C = "/v1/completions"
@@ -45,24 +45,17 @@ async def _replicas(redis_url, prefix, n=3, **limits):
     return gws, close
 
 
-async def _until(cond, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 async def test_three_gateways_share_the_concurrency_quota(redis, redis_url, prefix):
     gws, close = await _replicas(redis_url, prefix)
     try:  # tq: max_concurrency 2
         holds = [asyncio.create_task(_post(g.port, {"model": "tq", "prompt": "SLOW", "max_tokens": 10}))
                  for g in gws[:2]]
-        await _until(lambda: len(gws[0].responder.requests) == 2)  # both counted and enqueued
+        assert await until(lambda: len(gws[0].responder.requests) == 2, 20.0, 0.01)  # both counted and enqueued
         st, body = await _post(gws[2].port, {"model": "tq", "prompt": "x", "max_tokens": 1})
         assert st == 429 and body["error"]["code"] == "concurrency_quota_exceeded", body
         assert "across the gateways" in body["error"]["message"]
         assert [s for s, _ in await asyncio.gather(*holds)] == [200, 200]
-        await _until(lambda: not any(g.quota._tasks for g in gws))  # releases go in the background
+        assert await until(lambda: not any(g.quota._tasks for g in gws), 20.0, 0.01)  # releases go in the background
         st, _ = await _post(gws[2].port, {"model": "tq", "prompt": "x", "max_tokens": 1})
         assert st == 200
     finally:
@@ -86,7 +79,7 @@ async def test_the_global_bound_holds_across_gateways(redis, redis_url, prefix):
     try:
         holds = [asyncio.create_task(_post(g.port, {"model": "ta", "prompt": "SLOW", "max_tokens": 10}, KEY_A))
                  for g in gws[:2]]
-        await _until(lambda: len(gws[0].responder.requests) == 2)
+        assert await until(lambda: len(gws[0].responder.requests) == 2, 20.0, 0.01)
         st, body = await _post(gws[2].port, {"model": "ta", "prompt": "x", "max_tokens": 1}, KEY_A)
         assert st == 503 and body["error"]["code"] == "overloaded", body
         assert [s for s, _ in await asyncio.gather(*holds)] == [200, 200]

@@ -318,6 +318,8 @@ class SimDevice:
         dur = now - self.cur_start
         if self.parent is not None:  # guest lane: its share of the step is guest time on the parent
             self.parent.guest_busy_s += dur / eng.slowdown
+            if self.lease is not None:
+                self.lease.lane_busy_s += dur / eng.slowdown
         else:
             self.busy_s += dur
         if self.bins is not None:  # a stretched own step's extra time is its guests' (recorded as theirs)

@@ -151,7 +151,15 @@ def collect(sim: "Simulator", workload: "Workload", window: float) -> SimResult:
     book = sim.leases
     finished = book.finished + list(book.leases.values())
     leases = {k: v for k, v in book.stats.items()}
-    leases["guest_busy_s"] = sum(lease.guest_busy_s for lease in finished)
+    leases["guest_busy_s"] = sum(lease.guest_busy_s for lease in finished)  # offloaded segments
+    leases["lane_busy_s"] = sum(lease.lane_busy_s for lease in finished)  # "sequences" lanes
+    by_tenant: dict[str, dict[str, float]] = {}
+    for lease in finished:
+        row = by_tenant.setdefault(lease.tenant, {"granted": 0, "guest_busy_s": 0.0, "lane_busy_s": 0.0})
+        row["granted"] += 1
+        row["guest_busy_s"] += lease.guest_busy_s
+        row["lane_busy_s"] += lease.lane_busy_s
+    leases["by_tenant"] = dict(sorted(by_tenant.items()))
     leases["activation_bytes_moved"] = sum(lease.link_bytes for lease in finished)
     leases["offloaded_iterations"] = sum(e.offload_iters for d in sim.devices.values() for e in d.engines)
     links = {"staging_busy_s": book.link_busy_s, "staging_bytes": book.link_bytes}

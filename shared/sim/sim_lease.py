@@ -17,7 +17,7 @@ class SimLease:
 
     __slots__ = ("lid", "engine", "guest_dev", "segments", "part", "share", "start", "end", "state", "act_bytes",
                  "guest_busy_s", "link_bytes", "staged_new_bytes", "active_from", "mode", "lane",
-                 "handback")
+                 "handback", "lane_busy_s")
 
     def __init__(self, lid: str, engine: "SimReplica", guest_dev: "SimDevice", segments: tuple[str, ...],
                  part: OffloadPart, share: float, start: float, end: float, act_bytes: int) -> None:
@@ -25,7 +25,8 @@ class SimLease:
         self.part, self.share, self.start, self.end = part, share, start, end
         self.state = STAGING
         self.act_bytes = act_bytes
-        self.guest_busy_s = 0.0
+        self.guest_busy_s = 0.0  # segments: guest time of its offloaded parts
+        self.lane_busy_s = 0.0  # sequences: guest time of its lane's iterations
         self.link_bytes = 0.0
         self.staged_new_bytes = 0
         self.active_from = start

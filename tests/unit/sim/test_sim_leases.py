@@ -63,6 +63,9 @@ def test_sequences_lease_stages_runs_on_the_guest_and_drains():
     assert not d1.lanes and not d1.hosted
     assert max(b for _, b in d1.mem.timeline) <= d1.mem.limit
     assert r.devices["d1"]["guest_utilization"] > 0
+    # the lane's guest time is the lease's, counted per tenant; a lease with no segments offloads nothing
+    assert r.leases["lane_busy_s"] == pytest.approx(sim.devices["d1"].guest_busy_s) and r.leases["guest_busy_s"] == 0
+    assert r.leases["by_tenant"] == {"t0": {"granted": 1, "guest_busy_s": 0.0, "lane_busy_s": r.leases["lane_busy_s"]}}
 
 
 def test_segments_lease_offloads_prefill_iterations():

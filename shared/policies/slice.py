@@ -38,6 +38,7 @@ class SliceConfig(PolicyConfig):
     resize: bool = False  # True: containers sized from average offered work, as ``container-avgwork``
     behind_fraction: float = 0.5  # seek a lease when predicted TTFT or TPOT exceeds this fraction of the target
     tenant_behind_fraction: float = 0.5  # ... on at least this fraction of the tenant's container
+    tenant_behind_devices: int = 2  # >0: ... or on this many of its devices, if fewer
     max_candidates: int = 16  # guest devices asked about per decision ("sequences" candidates)
     max_segment_candidates: int = 8  # of those, the first this many also get a "segments" candidate
     lease_s: float = 2.0
@@ -281,14 +282,18 @@ class SlicePolicy(Policy):
         return self._urgency(d, snapshot, whatif) > bf
 
     def _tenant_behind(self, tenant: str, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any) -> bool:
-        """At least ``tenant_behind_fraction`` of the tenant's container (``d`` included) is behind. A tenant with
+        """At least ``tenant_behind_fraction`` of the tenant's container (``d`` included) is behind, or at least
+        ``tenant_behind_devices`` of its devices when that is fewer. A tenant with
         many devices absorbs a load spike on one of them by routing to the others; a lease for it would take guest
         time that a tenant with nowhere else to go needs (α = 2.1: the largest tenant, 16 devices and no
         violations, held 4× the lane time of the bursty one that had them all)."""
         cfg, devices = self.cfg, snapshot.devices
         devs = [g for g in (devices[did] for did in self.devices_of.get(tenant, ()) if did != d.id)
                 if g.home_tenant == tenant and not g.draining]
-        need = cfg.tenant_behind_fraction * (len(devs) + 1) - 1.0  # d itself is behind
+        need = cfg.tenant_behind_fraction * (len(devs) + 1)
+        if cfg.tenant_behind_devices > 0:  # a large container's spill-over is real before half of it is behind
+            need = min(need, cfg.tenant_behind_devices)
+        need -= 1.0  # d itself is behind
         if cfg.behind_fraction >= 0:  # a device with nothing to run is never behind (see _behind): skip those
             devs = [g for g in devs if g.running or g.queued_prefill_tokens]
         # the answer is whether at least `need` of them are behind: stop as soon as that is decided either way

@@ -161,21 +161,28 @@ def test_slice_asks_every_candidate_guest_for_a_lane_but_commits_within_the_cap(
     assert held_max and max(held_max.values()) <= cap
 
 
-@pytest.mark.parametrize("behind,fraction,expected", [
-    ({"a"}, 0.5, False),  # one loaded device of four: routing balances it, no lease
-    ({"a", "b"}, 0.5, True),  # half the container behind: lease
-    ({"a"}, 0.0, True),  # the per-device rule alone
-    ({"a"}, 0.25, True),
+@pytest.mark.parametrize("size,behind,fraction,devices,expected", [
+    (4, "a", 0.5, 0, False),  # one loaded device of four: routing balances it, no lease
+    (4, "ab", 0.5, 0, True),  # half the container behind: lease
+    (4, "a", 0.0, 0, True),  # the per-device rule alone
+    (4, "a", 0.25, 0, True),
+    (8, "ab", 0.5, 0, False),  # two of eight: not half
+    (8, "ab", 0.5, 2, True),  # ... but two devices are enough with tenant_behind_devices 2
+    (8, "a", 0.5, 2, False),
+    (4, "a", 0.5, 2, False),  # a small container: half of it (2) is not more than 2 devices
+    (8, "abc", 0.5, 5, False),  # the fraction's 4 is the fewer
 ])
-def test_slice_seeks_for_a_tenant_only_when_enough_of_its_container_is_behind(behind, fraction, expected):
+def test_slice_seeks_for_a_tenant_only_when_enough_of_its_container_is_behind(size, behind, fraction, devices,
+                                                                              expected):
     from types import SimpleNamespace
-    pol = make_policy("slice", {"tenant_behind_fraction": fraction})
-    pol.devices_of = {"t0": ["a", "b", "c", "d"]}
+    pol = make_policy("slice", {"tenant_behind_fraction": fraction, "tenant_behind_devices": devices})
+    ids = "abcdefgh"[:size]
+    pol.devices_of = {"t0": list(ids)}
     # every device has work (a device with nothing to run is never behind, and is not asked)
     devs = {i: SimpleNamespace(id=i, home_tenant="t0", draining=False, running=1, queued_prefill_tokens=0)
-            for i in "abcd"}
+            for i in ids}
     snap = SimpleNamespace(devices=devs)
-    pol._behind = lambda d, s, w: d.id in behind
+    pol._behind = lambda d, s, w: d.id in set(behind)
     assert pol._tenant_behind("t0", devs["a"], snap, None) is expected
 
 

@@ -169,7 +169,7 @@ def test_slice_asks_every_candidate_guest_for_a_lane_but_commits_within_the_cap(
     (8, "ab", 0.5, 0, False),  # two of eight: not half
     (8, "ab", 0.5, 2, True),  # ... but two devices are enough with tenant_behind_devices 2
     (8, "a", 0.5, 2, False),
-    (4, "a", 0.5, 2, False),  # a small container: half of it (2) is not more than 2 devices
+    (4, "a", 0.5, 2, False),  # in a container of four, two devices is half of it: the rules agree
     (8, "abc", 0.5, 5, False),  # the fraction's 4 is the fewer
 ])
 def test_slice_seeks_for_a_tenant_only_when_enough_of_its_container_is_behind(size, behind, fraction, devices,

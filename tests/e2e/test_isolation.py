@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -150,8 +149,10 @@ async def _b_request(s: aiohttp.ClientSession, url: str, i: int) -> tuple[float,
 
 
 FLOOD_SCRIPT = r"""
-import asyncio, json, sys, time
+import asyncio, json, os, sys, time
 import aiohttp
+
+os.nice(19)  # the flooding client would run on another machine: here it yields the shared cores to the mesh
 
 url, key, rps, burst = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 body = {"model": "tiny-a", "prompt": "x" * 7, "max_tokens": 1, "ignore_eos": True}
@@ -195,8 +196,7 @@ class Flood:
 
     def __init__(self, url: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", FLOOD_SCRIPT, url, KEY_A, str(FLOOD_RPS),
-                                      str(FLOOD_BURST)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=lambda: os.nice(19))
+                                      str(FLOOD_BURST)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready"
 
     def start(self, duration_s: float) -> None:

@@ -205,15 +205,18 @@ class LeaseBook:
 
     def _handback(self, lease: SimLease, r, now: float) -> bool:
         """A lane finished ``r``'s prompt: its KV moves over the link to the lease's home device, which decodes it
-        in its own batch from its first step after the transfer (a lease granted with ``handback``). False (the lane keeps
-        it) when the home engine is draining or the KV does not fit there."""
+        in its own batch from its first step after the transfer (a lease granted with ``handback``). When that
+        engine is draining or the KV does not fit there, another device of the tenant's container takes it: of
+        those whose engine is not draining, the one with the most free memory, if the KV fits. False (the lane
+        keeps it) when none can."""
+        sim, guest = self.sim, lease.guest_dev
         home = lease.engine
-        if home.draining:
-            return False
-        sim, hdev, guest = self.sim, home.device, lease.guest_dev
         need = home.kv_need(r)
-        if not hdev.mem.try_alloc("kv", need, now):
-            return False
+        if home.draining or not home.device.mem.try_alloc("kv", need, now):
+            home = self._other_home(lease, need)
+            if home is None or not home.device.mem.try_alloc("kv", need, now):
+                return False
+        hdev = home.device
         done = self._transfer(guest, hdev, sim.snapshot.link_kind(guest.id, hdev.id),
                               (r.input + 1) * home.cost.kv_bytes_per_token)
         home.joining.append((math.inf, r))  # counted as the home's from now; joins its batch once the KV is there
@@ -222,8 +225,25 @@ class LeaseBook:
         sim.push(done, KV_MOVED, (lease, r, need))
         return True
 
+    def _other_home(self, lease: SimLease, need: int):
+        """The engine of ``lease``'s tenant on another device of its container with the most free memory, if
+        ``need`` bytes of KV fit there (what a worker's hand-off does when the lease's home has no room)."""
+        sim, best, room = self.sim, None, need - 1
+        for did in sim.snapshot.tenants[lease.tenant].home_devices:
+            d = sim.devices.get(did)
+            if d is None or d is lease.engine.device:
+                continue
+            free = d.mem.limit - d.mem.used
+            if free <= room:
+                continue
+            for e in d.engines:
+                if e.tenant == lease.tenant and not e.draining:
+                    best, room = e, free
+                    break
+        return best
+
     def _kv_moved(self, lease: SimLease, r, need: int) -> None:
-        sim, home = self.sim, lease.engine
+        sim, home = self.sim, r.engine  # the lease's home, or the device of its container that took the sequence
         lease.guest_dev.mem.release("kv", r.kv_bytes, sim.now)
         r.kv_bytes = need
         home.joining = [(sim.now if q is r else at, q) for at, q in home.joining]

@@ -5,7 +5,8 @@ Guest, once a lane step gives a sequence its first token: the compute thread pau
 here); when that token's chunk is published, :meth:`HandOffs.send` marks the request's journey hash with a token
 (``handoff``, only while this worker owns it), exports the sequence (tokens, sampling state, detokenizer state; its
 KV stays served by this worker's segment server, :class:`KVExports`), picks the home device of the lane's leases
-with the most free memory and puts a :class:`HandOff` on its stream.
+with the most free memory (another device of the tenant's container when that one has no room for the KV) and puts
+a :class:`HandOff` on its stream.
 
 Home, :meth:`HandOffs.receive` (a task beside the stream handler, so that the fetch holds up no other entry):
 reserves the sequence's KV in the GMG, fetches the KV from the guest (emulated devices wait the link's time
@@ -152,19 +153,31 @@ class HandOffs:
     async def _on_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.w.compute, fn, *args)
 
-    async def _home_for(self, tenant: str) -> str | None:
-        """Of the lane's leases' home devices (the simulator hands a sequence to its lease's home), the ready one
-        with the most unreserved memory."""
+    async def _home_for(self, tenant: str, need: int) -> str | None:
+        """Where the sequence goes: of the lane's leases' home devices (the simulator hands a sequence to its
+        lease's home), the ready one with the most unreserved memory; when that is less than the ``need`` bytes of
+        its KV, the ready device of the tenant's container with the most, if the KV fits there (the simulator's
+        ``LeaseBook._other_home``). None when neither has a ready device."""
         lane = self.w.lanes.lanes.get(tenant) if self.w.lanes is not None else None
         leases = [*lane.leases.values(), *lane.draining.values()] if lane is not None else []
-        homes = sorted({m.home_device for m in leases} - {self.w.device.id})
+        homes = {m.home_device for m in leases} - {self.w.device.id}
         rows = await self.w.gmg.devices()
-        best, room = None, 0
-        for d in homes:
-            r = rows.get(d, {})
-            free = int(r.get("limit") or 0) - int(r.get("reserved") or 0)
-            if r.get("state") == "ready" and free > room:
-                best, room = d, free
+
+        def best_of(ids) -> tuple[str | None, int]:
+            best, room = None, 0
+            for d in sorted(ids):
+                r = rows.get(d, {})
+                free = int(r.get("limit") or 0) - int(r.get("reserved") or 0)
+                if r.get("state") == "ready" and free > room:
+                    best, room = d, free
+            return best, room
+
+        best, room = best_of(homes)
+        if room < need:
+            other, other_room = best_of(d for d, r in rows.items()
+                                        if r.get("home_tenant") == tenant and d not in homes and d != self.w.device.id)
+            if other is not None and other_room >= need:
+                return other
         return best
 
     async def send(self, rid: str) -> None:
@@ -175,7 +188,8 @@ class HandOffs:
             return
         token, began = uuid.uuid4().hex, False
         try:
-            home = await self._home_for(t.req.tenant)
+            home = await self._home_for(t.req.tenant, eng.blocks_needed(len(t.req.prompt_ids), t.req.max_tokens)
+                                        * eng.kv_bytes_per_block)
             if home is None or not await handoff_step(w.redis, w.p, rid, "begin", w.worker_id, token):
                 await self._resume(eng, rid, "no_home" if home is None else "not_owner")
                 return

@@ -244,6 +244,27 @@ async def test_emulated_devices_hand_over_at_the_links_time(redis_url, prefix, r
         assert workers["e2"].handoffs.stats["sent"] == 2 and workers["e0"].handoffs.stats["received"] == 2
 
 
+async def test_a_full_home_hands_over_to_another_device_of_the_container(redis_url, prefix, redis):
+    """The lease's home (e0) has no memory left for the KV: the sequence goes to the other device of em-a's
+    container (e1), as the simulator's ``LeaseBook._other_home`` does, and decodes there."""
+    async with _mesh(redis_url, prefix, redis, "cluster-emulated8.yaml", "tenants-emulated6.yaml",
+                     ("e0", "e1", "e2")) as (cluster, tenants, workers, store):
+        row = (await store.devices())["e0"]
+        free = int(row["limit"]) - int(row["reserved"])
+        assert isinstance(await store.reserve([Reservation("e0", "test:fill", "kv", "em-a", free)]), int)
+        await _lease_on_cpu1(redis, prefix, workers, True, tenant="em-a", home="e0", guest="e2")
+        gw = f"gw{uuid.uuid4().hex[:6]}"
+        rids = await _assign(redis, prefix, store, gw, PROMPTS, MAX_TOKENS, tenant="em-a", guest="e2")
+        chunks = await _collect(redis, prefix, gw, rids)
+        for rid in rids:
+            cs = chunks[rid]
+            assert [c.seq for c in cs] == list(range(len(cs)))
+            assert sum(len(c.token_ids) for c in cs) == MAX_TOKENS and cs[-1].finish_reason == "length"
+            assert cs[0].device == "e2" and cs[-1].device == "e1"
+        assert workers["e2"].handoffs.stats["sent"] == 2 and workers["e2"].handoffs.stats["refused"] == 0
+        assert workers["e1"].handoffs.stats["received"] == 2 and workers["e0"].handoffs.stats["received"] == 0
+
+
 async def test_the_scheduler_follows_a_moved_request(redis_url, prefix, redis):
     """RequestMoved: the scheduler's record points at the home (cancels, a dead worker's requests go there) and the
     guest's KV reservation is released; a late or repeated notice changes nothing more."""

@@ -1,6 +1,7 @@
 """Leases inside the simulator: staging over the link, guest lanes, offloaded segments, drain, cached weights."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -204,6 +205,30 @@ def test_lane_handback_decodes_prefilled_sequences_at_home():
         assert dev.mem.by_kind["kv"] == 0
         assert max(b for _, b in dev.mem.timeline) <= dev.mem.limit
     assert "handed_back" not in r0.leases
+
+
+class _LeaseFullHomeOfTwo(_LeaseFullHome):
+    """As :class:`_LeaseFullHome`, with a second device of t0's container (d2) that has room."""
+
+    def initial_placement(self, snapshot, offered):
+        return Placement({"d0": ("t0",), "d1": ("t1",), "d2": ("t0",)})
+
+
+def test_lane_handback_goes_to_another_device_of_the_container_when_the_home_is_full():
+    """The lease's home (d0) has no room for the KV: the sequence goes to d2, the other device of t0's container,
+    decodes there, and its KV is released there when it finishes."""
+    c = small_cluster(3, 3)
+    t = small_tenants(c, ["llama-7b", "llama-7b"])
+    t = dataclasses.replace(t, tenants=(dataclasses.replace(t.tenants[0], home_devices=("d0", "d2")), t.tenants[1]))
+    policy = _LeaseFullHomeOfTwo("sequences", 3.0, True)
+    sim = policy.sim = Simulator(c, t, policy, SimConfig(), random.Random(0))
+    r = sim.run(Workload("handback", tuple(_mixed_load()), t, 5.0, 0))
+    laned = [q for q in sim.requests if q.rid.startswith("a")]
+    assert laned and all(q.engine.device.id == "d2" for q in laned)
+    assert r.leases["handed_back"] == len(laned)
+    assert all(q.status == 2 and q.generated == q.output for q in sim.requests)
+    for did in ("d1", "d2"):  # every KV moved or released (d0 still holds what filled it)
+        assert sim.devices[did].mem.by_kind["kv"] == 0
 
 
 def test_lane_handback_keeps_the_sequence_when_its_kv_does_not_fit_at_home():

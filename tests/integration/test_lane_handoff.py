@@ -173,6 +173,15 @@ def _check_tokens(chunks: dict[str, list[TokenChunk]], rids, ref) -> None:
         assert cs[-1].finish_reason == "length"
 
 
+def _check_moved(chunks: dict[str, list[TokenChunk]], rids, guest: str, home: str) -> None:
+    """Emulated tokens: every one came, numbered without a gap, the first from ``guest`` and the last from ``home``."""
+    for rid in rids:
+        cs = chunks[rid]
+        assert [c.seq for c in cs] == list(range(len(cs)))
+        assert sum(len(c.token_ids) for c in cs) == MAX_TOKENS and cs[-1].finish_reason == "length"
+        assert cs[0].device == guest and cs[-1].device == home
+
+
 async def test_a_handed_over_request_decodes_at_home_with_the_same_tokens(mesh, redis, prefix):
     cluster, tenants, workers, store = mesh
     ref = _reference(tenants.get("tiny-a"), PROMPTS, MAX_TOKENS)
@@ -235,12 +244,7 @@ async def test_emulated_devices_hand_over_at_the_links_time(redis_url, prefix, r
         await _lease_on_cpu1(redis, prefix, workers, True, tenant="em-a", home="e0", guest="e2")
         gw = f"gw{uuid.uuid4().hex[:6]}"
         rids = await _assign(redis, prefix, store, gw, PROMPTS, MAX_TOKENS, tenant="em-a", guest="e2")
-        chunks = await _collect(redis, prefix, gw, rids)
-        for rid in rids:
-            cs = chunks[rid]
-            assert [c.seq for c in cs] == list(range(len(cs)))
-            assert sum(len(c.token_ids) for c in cs) == MAX_TOKENS and cs[-1].finish_reason == "length"
-            assert cs[0].device == "e2" and cs[-1].device == "e0"  # the lease's home
+        _check_moved(await _collect(redis, prefix, gw, rids), rids, "e2", "e0")  # to the lease's home
         assert workers["e2"].handoffs.stats["sent"] == 2 and workers["e0"].handoffs.stats["received"] == 2
 
 
@@ -255,12 +259,7 @@ async def test_a_full_home_hands_over_to_another_device_of_the_container(redis_u
         await _lease_on_cpu1(redis, prefix, workers, True, tenant="em-a", home="e0", guest="e2")
         gw = f"gw{uuid.uuid4().hex[:6]}"
         rids = await _assign(redis, prefix, store, gw, PROMPTS, MAX_TOKENS, tenant="em-a", guest="e2")
-        chunks = await _collect(redis, prefix, gw, rids)
-        for rid in rids:
-            cs = chunks[rid]
-            assert [c.seq for c in cs] == list(range(len(cs)))
-            assert sum(len(c.token_ids) for c in cs) == MAX_TOKENS and cs[-1].finish_reason == "length"
-            assert cs[0].device == "e2" and cs[-1].device == "e1"
+        _check_moved(await _collect(redis, prefix, gw, rids), rids, "e2", "e1")
         assert workers["e2"].handoffs.stats["sent"] == 2 and workers["e2"].handoffs.stats["refused"] == 0
         assert workers["e1"].handoffs.stats["received"] == 2 and workers["e0"].handoffs.stats["received"] == 0
 

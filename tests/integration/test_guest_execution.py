@@ -122,13 +122,18 @@ async def test_guest_tenant_burst_keeps_its_sla_and_guest_work_yields(pair_facto
     await _lease_ready(pair, lid)
     await pair.submit(DRIVER, "ta", prompts(16, 3), 400, "gwload")  # keeps the guest busy for seconds
     g0 = await pair.wait_health(GUEST, lambda h: int(h.get("guest_served") or 0) > 20, 30)
-    burst = await pair.run(GUEST, "tb", prompts(8, 4), max_tokens=24)
-    g = await pair.fresh_health(GUEST)
-    worst_ttft = max(o.ttft_ms for o in burst.values())
-    worst_tpot = max(o.tpot_ms for o in burst.values())
-    assert all(len(o.tokens) == 24 for o in burst.values())
-    assert worst_ttft <= sla[0] and worst_tpot <= sla[1], (worst_ttft, worst_tpot)
-    assert int(g["guest_served"]) > int(g0["guest_served"]), "the guest stopped serving the lease in the burst"
+    # whether a home step arrives while a guest segment runs is up to timing (on a VM whose two cores are busy with
+    # something else, one burst can miss every segment): up to three bursts, each held to the SLA, until one does
+    for attempt in range(3):
+        burst = await pair.run(GUEST, "tb", prompts(8, 4 + attempt), max_tokens=24)
+        g = await pair.fresh_health(GUEST)
+        worst_ttft = max(o.ttft_ms for o in burst.values())
+        worst_tpot = max(o.tpot_ms for o in burst.values())
+        assert all(len(o.tokens) == 24 for o in burst.values())
+        assert worst_ttft <= sla[0] and worst_tpot <= sla[1], (worst_ttft, worst_tpot)
+        assert int(g["guest_served"]) > int(g0["guest_served"]), "the guest stopped serving the lease in the burst"
+        if int(g["home_waits_on_guest"]) > 0:
+            break
     assert int(g["home_waits_on_guest"]) > 0, g  # home steps did arrive while guest segments ran
     # waited for at most one guest segment: the home started as soon as the running segment ended (thread
     # wake-up on a loaded 2-core VM aside), never behind a second one

@@ -157,7 +157,7 @@ class HandOffs:
         """Where the sequence goes: of the lane's leases' home devices (the simulator hands a sequence to its
         lease's home), the ready one with the most unreserved memory; when that is less than the ``need`` bytes of
         its KV, the ready device of the tenant's container with the most, if the KV fits there (the simulator's
-        ``LeaseBook._other_home``). None when neither has a ready device."""
+        ``LeaseBook._other_home``). None when no lease's home is ready and no device of the container fits it."""
         lane = self.w.lanes.lanes.get(tenant) if self.w.lanes is not None else None
         leases = [*lane.leases.values(), *lane.draining.values()] if lane is not None else []
         homes = {m.home_device for m in leases} - {self.w.device.id}

@@ -13,8 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from shared.costmodel.sla import RequestTargets
 from shared.policies.actions import Action, Placement, Trigger
-from shared.policies.snapshot import ClusterSnapshot
+from shared.policies.snapshot import ClusterSnapshot, TenantState
 from shared.registry import Registry
 
 
@@ -92,6 +93,16 @@ class Policy:
     def decide(self, trigger: Trigger, snapshot: ClusterSnapshot, whatif: Any = None) -> list[Action]:
         """Actions in response to ``trigger``. Default: none."""
         return []
+
+    def request_targets(self, tenant: TenantState) -> RequestTargets:
+        """The (TTFT, TPOT) targets of ``tenant``'s requests by their lengths (priced per request under a
+        ``slowdown`` SLA, the fixed ones otherwise); built once per tenant SLA and model."""
+        cache = self.__dict__.setdefault("_request_targets", {})
+        key = (tenant.name, tenant.sla, id(tenant.model))
+        tg = cache.get(key)
+        if tg is None:
+            tg = cache[key] = RequestTargets(tenant.sla, tenant.model)
+        return tg
 
     def switch_cost_s(self, device_kind: str, tenant: str, resident: bool) -> float:
         """Seconds a ``switch``-sharing device pays to change tenant (only token-pool uses it)."""

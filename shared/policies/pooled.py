@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.costmodel import cost_for
-from shared.costmodel.sla import RequestTargets
 from shared.policies.actions import Placement
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, PolicyConfigError
 from shared.policies.container import container_placement
@@ -54,10 +53,11 @@ class PooledPolicy(Policy):
 
     def route(self, tenant: str, input_tokens: int, output_tokens: int, snapshot: ClusterSnapshot) -> str | None:
         cfg: PooledConfig = self.config  # type: ignore[assignment]
-        model = snapshot.tenants[tenant].model
+        ten = snapshot.tenants[tenant]
+        model = ten.model
         best, best_key = None, None
         if cfg.stay_fraction > 0:
-            budget = cfg.stay_fraction * self._targets(snapshot, tenant)(input_tokens, output_tokens)[0]
+            budget = cfg.stay_fraction * self.request_targets(ten)(input_tokens, output_tokens)[0]
             for d in snapshot.devices.values():
                 if d.home_tenant != tenant:
                     continue
@@ -76,13 +76,6 @@ class PooledPolicy(Policy):
             if best_key is None or key < best_key:
                 best, best_key = d.id, key
         return best
-
-    def _targets(self, snapshot: ClusterSnapshot, tenant: str) -> RequestTargets:
-        cache = self.__dict__.setdefault("_tg", {})
-        if tenant not in cache:
-            t = snapshot.tenants[tenant]
-            cache[tenant] = RequestTargets(t.sla, t.model)
-        return cache[tenant]
 
     def _per_token(self, model, kind: str) -> float:
         cache = self.__dict__.setdefault("_pt", {})

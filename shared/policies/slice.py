@@ -130,8 +130,8 @@ class SlicePolicy(Policy):
         if lane_wait < home_wait:
             return lane
         cfg = self.cfg
-        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and lane_wait < ten.sla.ttft_ms / 1e3 \
-                and self._tpot_tight(ten, home):
+        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and self._tpot_tight(ten, home) \
+                and lane_wait < self.request_targets(ten)(input_tokens, output_tokens)[0]:
             return lane  # each step that prefilled it at home would slow the whole batch past its TPOT target
         return best
 

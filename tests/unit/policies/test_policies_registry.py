@@ -384,3 +384,43 @@ def test_slice_sends_a_prompt_to_a_hand_off_lane_while_its_homes_decode_step_is_
     assert route({"lane_handback": False}) == "h"  # it would decode on the guest
     assert route({"lane_tpot_fraction": 0.95}) == "h"  # 0.9 × the target is not past 0.95 ×
     assert route({}, running=8) == "h"  # a light batch: prefilling at home costs its steps little
+
+
+def test_slice_holds_a_tpot_tight_prompt_to_its_own_ttft_target_when_it_picks_a_hand_off_lane():
+    """Under a per-request SLA each prompt has its own TTFT target (``slowdown`` × its isolated TTFT): a short
+    prompt's is far below the reference request's. ``slice`` sends a prompt from a TPOT-tight home to a hand-off
+    lane only while the lane's predicted wait is within that prompt's own target, not the tenant's reference one."""
+    from shared.config import SLA
+    from shared.costmodel import cost_for
+    from shared.model.config import PRESETS
+    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable, TenantState
+
+    model = PRESETS["llama-7b"]
+    cost = cost_for(model, "h100-80gb")
+    step = cost.iteration_time(64, 64 * 2000)
+    per_token = cost.prefill_time(2048) / 2048
+    lane_wait = {n: (4000 + n) * per_token / 0.5 for n in (2000, 3000)}  # 4,000 queued tokens at half the guest
+    own = {n: 5 * cost.isolated_latency(n, 500)[0] for n in (2000, 3000)}
+    assert own[2000] < lane_wait[2000] < 2.0 and lane_wait[3000] < own[3000]  # the case this test is about
+
+    def route(sla: SLA, input_tokens: int) -> str:
+        tenants = {"a": TenantState("a", model, sla, ["h"], mean_input=2000, mean_output=500),
+                   "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
+        home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
+                           running=64, decode_kv_tokens=64 * 2000)
+        guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
+                            busy=True, running=8, decode_kv_tokens=8 * 1000, guest_share=0.6, guest_yield=0.5,
+                            guest_engines={"a": (0, 4000, True)})
+        lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active",
+                           handback=True)
+        snap = ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants,
+                               leases=LeaseTable({"L": lease}))
+        pol = make_policy("slice", {"segments": False})
+        pol.devices_of = {"a": ["h"], "b": ["g"]}
+        return pol.route("a", input_tokens, 500, snap)
+
+    tpot_ms = step * 1e3 / 0.9  # the home's decode step alone is 0.9 × the (reference) TPOT target
+    assert route(SLA(ttft_ms=2000, tpot_ms=tpot_ms), 2000) == "g"  # a fixed 2 s target: the lane meets it
+    per_request = SLA(ttft_ms=2000, tpot_ms=tpot_ms, slowdown=5, kind="h100-80gb")
+    assert route(per_request, 2000) == "h"  # its own target is shorter than the lane's wait: it stays home
+    assert route(per_request, 3000) == "g"  # a longer prompt's own target covers the lane's wait

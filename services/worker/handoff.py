@@ -5,8 +5,9 @@ Guest, once a lane step gives a sequence its first token: the compute thread pau
 here); when that token's chunk is published, :meth:`HandOffs.send` marks the request's journey hash with a token
 (``handoff``, only while this worker owns it), exports the sequence (tokens, sampling state, detokenizer state; its
 KV stays served by this worker's segment server, :class:`KVExports`), picks the home device of the lane's leases
-with the most free memory (another device of the tenant's container when that one has no room for the KV) and puts
-a :class:`HandOff` on its stream.
+with the most free memory (another device of the tenant's container when that one's predicted decode step with the
+sequence would pass the fill bound of ``shared/handback.py``, or when it has no room for the KV) and puts a
+:class:`HandOff` on its stream.
 
 Home, :meth:`HandOffs.receive` (a task beside the stream handler, so that the fetch holds up no other entry):
 reserves the sequence's KV in the GMG, fetches the KV from the guest (emulated devices wait the link's time
@@ -35,7 +36,11 @@ import torch
 
 from services.worker.segment_server import Reply, SegmentClient, TensorMover
 from services.worker.segment_wire import FrameError, KVQuery, KVTensor, wire_dtype
+from shared.config_error import ConfigError
+from shared.costmodel import cost_for
+from shared.costmodel.sla import request_targets
 from shared.gmg import Refused, Reservation
+from shared.handback import HANDBACK_FILL, best_fit, step_with
 from shared.messages import (CancelAssigned, HandOff, HandOffReply, InferenceRequest, RequestMoved, events_stream,
                              worker_stream)
 from shared.model.engine import SamplingParams, SequenceState
@@ -153,11 +158,13 @@ class HandOffs:
     async def _on_compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.w.compute, fn, *args)
 
-    async def _home_for(self, tenant: str, need: int) -> str | None:
+    async def _home_for(self, req: InferenceRequest, need: int) -> str | None:
         """Where the sequence goes: of the lane's leases' home devices (the simulator hands a sequence to its
-        lease's home), the ready one with the most unreserved memory; when that is less than the ``need`` bytes of
-        its KV, the ready device of the tenant's container with the most, if the KV fits there (the simulator's
+        lease's home), the ready one with the most unreserved memory, unless another device of the container is
+        picked by the fill rule (:meth:`_fill_target`); when that home has less than the ``need`` bytes of its KV,
+        the ready device of the tenant's container with the most, if the KV fits there (the simulator's
         ``LeaseBook._other_home``). None when no lease's home is ready and no device of the container fits it."""
+        tenant = req.tenant
         lane = self.w.lanes.lanes.get(tenant) if self.w.lanes is not None else None
         leases = [*lane.leases.values(), *lane.draining.values()] if lane is not None else []
         homes = {m.home_device for m in leases} - {self.w.device.id}
@@ -173,12 +180,51 @@ class HandOffs:
             return best, room
 
         best, room = best_of(homes)
+        fit = self._fill_target(rows, req, best, need)
+        if fit is not None:
+            return fit
         if room < need:
             other, other_room = best_of(d for d, r in rows.items()
                                         if r.get("home_tenant") == tenant and d not in homes and d != self.w.device.id)
             if other is not None and other_room >= need:
                 return other
         return best
+
+    def _fill_target(self, rows: dict[str, dict[str, str]], req: InferenceRequest, home: str | None,
+                     need: int) -> str | None:
+        """The simulator's ``LeaseBook._fill_target`` on the GMG's device rows (``shared/handback.py``): another
+        ready device of the container when ``home``'s decode step, predicted from its heartbeat (``running``,
+        ``kv_used``) with this sequence added, is past ``HANDBACK_FILL`` × the request's TPOT target; of those with
+        room for the KV, the one whose step is the longest still within it. None when the home is within it, no
+        other device is, or the tenant's cost model has no profile for a device's kind."""
+        spec = self.w.tenants_by_name.get(req.tenant)
+        if spec is None:
+            return None
+        cfg = spec.model.config
+        prompt = len(req.prompt_ids)
+        bound = HANDBACK_FILL * request_targets(spec.sla, cfg, prompt, req.max_tokens)[1]
+        per_token = max(1, cfg.kv_bytes_per_token())
+
+        def step(row: dict[str, str]) -> float | None:
+            try:
+                cost = cost_for(cfg, row.get("kind", ""))
+            except ConfigError:
+                return None
+            return step_with(cost, int(row.get("running") or 0), int(row.get("kv_used") or 0) // per_token, prompt)
+
+        if home is not None:
+            s = step(rows.get(home, {}))
+            if s is None or s <= bound:
+                return None
+        cands = []
+        for d, r in sorted(rows.items()):
+            if d in (home, self.w.device.id) or r.get("home_tenant") != req.tenant or r.get("state") != "ready" \
+                    or int(r.get("limit") or 0) - int(r.get("reserved") or 0) < need:
+                continue
+            s = step(r)
+            if s is not None:
+                cands.append((d, s))
+        return best_fit(cands, bound)
 
     async def send(self, rid: str) -> None:
         w = self.w
@@ -188,7 +234,7 @@ class HandOffs:
             return
         token, began = uuid.uuid4().hex, False
         try:
-            home = await self._home_for(t.req.tenant, eng.blocks_needed(len(t.req.prompt_ids), t.req.max_tokens)
+            home = await self._home_for(t.req, eng.blocks_needed(len(t.req.prompt_ids), t.req.max_tokens)
                                         * eng.kv_bytes_per_block)
             if home is None or not await handoff_step(w.redis, w.p, rid, "begin", w.worker_id, token):
                 await self._resume(eng, rid, "no_home" if home is None else "not_owner")

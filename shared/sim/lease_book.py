@@ -12,6 +12,7 @@ from shared.policies.snapshot import LeaseState
 from shared.sim.replica import SimReplica
 from shared.sim.sim_lease import ACTIVE, DRAINING, ENDED, REVOKED, STAGING, SimLease
 from shared.costmodel.offload import OffloadPart
+from shared.handback import HANDBACK_FILL, best_fit, step_with
 
 if TYPE_CHECKING:
     from shared.sim.device import SimDevice
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
     from shared.sim.simulator import Simulator
 
 STAGE_DONE, LEASE_END, RELOAD_DONE, KV_MOVED = 2, 3, 4, 5
+
+
+def _step_with(e: "SimReplica", r) -> float:
+    """``e``'s predicted decode step once ``r`` joins its batch (every sequence it runs or is taking in)."""
+    joining = sum(q.input + q.generated for _, q in e.joining)
+    return step_with(e.cost, len(e.decoding) + len(e.prefilling) + len(e.joining), e.decode_kv + joining,
+                     r.input) * e.slowdown
 
 
 class LeaseBook:
@@ -212,7 +220,10 @@ class LeaseBook:
         sim, guest = self.sim, lease.guest_dev
         home = lease.engine
         need = home.kv_need(r)
-        if home.draining or not home.device.mem.try_alloc("kv", need, now):
+        fit = self._fill_target(lease, r, need)
+        if fit is not None and fit.device.mem.try_alloc("kv", need, now):
+            home = fit
+        elif home.draining or not home.device.mem.try_alloc("kv", need, now):
             home = self._other_home(lease, need)
             if home is None or not home.device.mem.try_alloc("kv", need, now):
                 return False
@@ -225,21 +236,40 @@ class LeaseBook:
         sim.push(done, KV_MOVED, (lease, r, need))
         return True
 
-    def _other_home(self, lease: SimLease, need: int):
-        """The engine of ``lease``'s tenant on another device of its container with the most free memory, if
-        ``need`` bytes of KV fit there (what a worker's hand-off does when the lease's home has no room)."""
-        sim, best, room = self.sim, None, need - 1
+    def _fill_target(self, lease: SimLease, r, need: int) -> "SimReplica | None":
+        """Another device of the container for ``r`` when the lease's home is draining or its predicted step with
+        ``r`` is past :data:`~shared.handback.HANDBACK_FILL` × ``r``'s TPOT target: of those with room for the
+        KV, the one whose step is the longest still within it (:func:`~shared.handback.best_fit`); None when the
+        home is within it or no other device is."""
+        bound = HANDBACK_FILL * self.sim.tpot_target(r)
+        home = lease.engine
+        if not home.draining and _step_with(home, r) <= bound:
+            return None
+        return best_fit(((e, _step_with(e, r)) for e, _ in self._container_engines(lease, need)), bound)
+
+    def _container_engines(self, lease: SimLease, need: int):
+        """``(engine, free bytes)`` of ``lease``'s tenant on each other device of its container where ``need``
+        bytes of KV fit and the engine is not draining."""
+        sim = self.sim
         for did in sim.snapshot.tenants[lease.tenant].home_devices:
             d = sim.devices.get(did)
             if d is None or d is lease.engine.device:
                 continue
             free = d.mem.limit - d.mem.used
-            if free <= room:
+            if free < need:
                 continue
             for e in d.engines:
                 if e.tenant == lease.tenant and not e.draining:
-                    best, room = e, free
+                    yield e, free
                     break
+
+    def _other_home(self, lease: SimLease, need: int):
+        """The engine of ``lease``'s tenant on another device of its container with the most free memory, if
+        ``need`` bytes of KV fit there (what a worker's hand-off does when the lease's home has no room)."""
+        best, room = None, need - 1
+        for e, free in self._container_engines(lease, need):
+            if free > room:
+                best, room = e, free
         return best
 
     def _kv_moved(self, lease: SimLease, r, need: int) -> None:

@@ -233,6 +233,16 @@ class Simulator:
         for t in self.tenants_cfg.tenants:
             self._targets[t.name] = RequestTargets(t.sla, t.model.config, self.cfg.max_batched_tokens)
 
+    def tpot_target(self, req: SimRequest) -> float:
+        """``req``'s TPOT target (s): priced at its arrival when the run needs targets throughout, else now."""
+        if req.tpot_t != math.inf:
+            return req.tpot_t
+        tg = self._targets.get(req.tenant)
+        if tg is None:
+            t = next(t for t in self.tenants_cfg.tenants if t.name == req.tenant)
+            tg = RequestTargets(t.sla, t.model.config, self.cfg.max_batched_tokens)
+        return tg(req.input, req.output)[1]
+
     def _late(self, req: SimRequest) -> None:
         req.late = True
         v = self._violations

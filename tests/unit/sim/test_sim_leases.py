@@ -231,6 +231,45 @@ def test_lane_handback_goes_to_another_device_of_the_container_when_the_home_is_
         assert sim.devices[did].mem.by_kind["kv"] == 0
 
 
+class _LeaseOfTwoHomes(_OneLease):
+    """As :class:`_OneLease`, with a second device of t0's container (d2)."""
+
+    def initial_placement(self, snapshot, offered):
+        return Placement({"d0": ("t0",), "d1": ("t1",), "d2": ("t0",)})
+
+
+def _run_two_homes(tpot_target_s: float):
+    """t0's lease home d0 decodes 30 sequences of its own while its lane on d1 prefills six prompts; d2, the
+    other device of t0's container, is idle. Every request's TPOT target is ``tpot_target_s``."""
+    c = small_cluster(3, 3)
+    t = small_tenants(c, ["llama-7b", "llama-7b"])
+    t = dataclasses.replace(t, tenants=(dataclasses.replace(t.tenants[0], home_devices=("d0", "d2")), t.tenants[1]))
+    own = [WorkloadRequest(f"h{i}", 0.001 * i, "t0", 200, 400) for i in range(30)]
+    lane = [WorkloadRequest(f"a{i}", 0.4 + 0.05 * i, "t0", 1500, 20) for i in range(6)]
+    sim = Simulator(c, t, _LeaseOfTwoHomes("sequences", 3.0, True), SimConfig(), random.Random(0))
+    sim.tpot_target = lambda r: tpot_target_s
+    return sim, sim.run(Workload("handback", tuple(own + lane), t, 5.0, 0))
+
+
+def test_lane_handback_fills_another_device_of_the_container_when_the_homes_step_would_pass_the_target():
+    """The lease's home takes a handed-back sequence while its predicted step with it stays within
+    HANDBACK_FILL × the sequence's TPOT target; past that, a device of the container within it does."""
+    from shared.costmodel import cost_for
+    from shared.handback import HANDBACK_FILL, step_with
+    cost = cost_for(small_tenants(small_cluster(3, 3), ["llama-7b"]).tenants[0].model.config, "h100-80gb")
+    idle, loaded = step_with(cost, 0, 0, 1500), step_with(cost, 30, 30 * 200, 1500)
+    assert loaded > 1.05 * idle
+    sim, r = _run_two_homes((idle + loaded) / 2 / HANDBACK_FILL)  # d2 is within the bound, d0 is past it
+    laned = [q for q in sim.requests if q.rid.startswith("a")]
+    assert r.leases["handed_back"] == len(laned) == 6
+    assert all(q.engine.device.id == "d2" for q in laned)
+    assert all(q.status == 2 and q.generated == q.output for q in sim.requests)
+    sim, r = _run_two_homes(10 * loaded)  # the home stays within the bound: it keeps them
+    assert all(q.engine.device.id == "d0" for q in sim.requests if q.rid.startswith("a"))
+    sim, r = _run_two_homes(idle / 2)  # no device within it: the lease's home, as before the rule
+    assert all(q.engine.device.id == "d0" for q in sim.requests if q.rid.startswith("a"))
+
+
 def test_lane_handback_keeps_the_sequence_when_its_kv_does_not_fit_at_home():
     sim, r = _run_handback(True, block_home_kv=True)
     on_lane = [q for q in sim.requests if q.rid.startswith("a")]

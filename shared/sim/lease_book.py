@@ -213,10 +213,11 @@ class LeaseBook:
 
     def _handback(self, lease: SimLease, r, now: float) -> bool:
         """A lane finished ``r``'s prompt: its KV moves over the link to the lease's home device, which decodes it
-        in its own batch from its first step after the transfer (a lease granted with ``handback``). When that
-        engine is draining or the KV does not fit there, another device of the tenant's container takes it: of
-        those whose engine is not draining, the one with the most free memory, if the KV fits. False (the lane
-        keeps it) when none can."""
+        in its own batch from its first step after the transfer (a lease granted with ``handback``). Past the fill
+        bound of ``shared/handback.py`` another device of the container within it takes it (:meth:`_fill_target`).
+        Otherwise, when that engine is draining or the KV does not fit there, another device of the tenant's
+        container takes it: of those whose engine is not draining, the one with the most free memory, if the KV
+        fits. False (the lane keeps it) when none can."""
         sim, guest = self.sim, lease.guest_dev
         home = lease.engine
         need = home.kv_need(r)

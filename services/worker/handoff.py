@@ -118,6 +118,11 @@ def fetch_kv(client: SegmentClient, mover: TensorMover, q: KVQuery,
     return [(out[i]["k"], out[i]["v"]) for i in sorted(out)]
 
 
+def _unreserved(row: dict[str, str]) -> int:
+    """Bytes still reservable on a device, from its GMG row."""
+    return int(row.get("limit") or 0) - int(row.get("reserved") or 0)
+
+
 @dataclass
 class _Sending:
     token: str
@@ -174,7 +179,7 @@ class HandOffs:
             best, room = None, 0
             for d in sorted(ids):
                 r = rows.get(d, {})
-                free = int(r.get("limit") or 0) - int(r.get("reserved") or 0)
+                free = _unreserved(r)
                 if r.get("state") == "ready" and free > room:
                     best, room = d, free
             return best, room
@@ -219,7 +224,7 @@ class HandOffs:
         cands = []
         for d, r in sorted(rows.items()):
             if d in (home, self.w.device.id) or r.get("home_tenant") != req.tenant or r.get("state") != "ready" \
-                    or int(r.get("limit") or 0) - int(r.get("reserved") or 0) < need:
+                    or _unreserved(r) < need:
                 continue
             s = step(r)
             if s is not None:

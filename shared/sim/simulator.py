@@ -84,6 +84,7 @@ class Simulator:
         self._budget: dict[str, float] | None = None  # early stop: violations a tenant may have (None: never stop)
         self._violations: dict[str, int] = {}
         self._targets: dict[str, RequestTargets] = {}
+        self._lazy_targets: dict[str, RequestTargets] = {}  # priced on demand (tpot_target) when _targets is empty
         self.stopped_early = False
 
     def record_busy(self, bin_s: float) -> None:
@@ -237,10 +238,10 @@ class Simulator:
         """``req``'s TPOT target (s): priced at its arrival when the run needs targets throughout, else now."""
         if req.tpot_t != math.inf:
             return req.tpot_t
-        tg = self._targets.get(req.tenant)
+        tg = self._targets.get(req.tenant) or self._lazy_targets.get(req.tenant)
         if tg is None:
             t = next(t for t in self.tenants_cfg.tenants if t.name == req.tenant)
-            tg = RequestTargets(t.sla, t.model.config, self.cfg.max_batched_tokens)
+            tg = self._lazy_targets[req.tenant] = RequestTargets(t.sla, t.model.config, self.cfg.max_batched_tokens)
         return tg(req.input, req.output)[1]
 
     def _late(self, req: SimRequest) -> None:

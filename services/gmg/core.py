@@ -94,7 +94,8 @@ class GMGCore:
         fields = {"state": hb.state, "heartbeat_ts": f"{hb.ts:.6f}", "worker_id": hb.worker_id,
                   "used": hb.weight_bytes + hb.kv_used_bytes, "weight_used": hb.weight_bytes,
                   "kv_used": hb.kv_used_bytes, "kv_total": hb.kv_total_bytes, "running": hb.running,
-                  "queued": hb.queued, "busy_ratio": f"{hb.busy_ratio:.4f}", "down_reason": ""}
+                  "queued": hb.queued, "prefill_tokens": hb.queued_prefill_tokens,
+                  "busy_ratio": f"{hb.busy_ratio:.4f}", "down_reason": ""}
         if hb.capacity_bytes:
             fields["worker_capacity"] = hb.capacity_bytes
         b = self.batch().hset(self.keys.device(hb.device), fields)

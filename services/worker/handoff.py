@@ -198,10 +198,10 @@ class HandOffs:
     def _fill_target(self, rows: dict[str, dict[str, str]], req: InferenceRequest, home: str | None,
                      need: int) -> str | None:
         """The simulator's ``LeaseBook._fill_target`` on the GMG's device rows (``shared/handback.py``): another
-        ready device of the container when ``home``'s decode step, predicted from its heartbeat (``running``,
-        ``kv_used``) with this sequence added, is past ``HANDBACK_FILL`` × the request's TPOT target; of those with
-        room for the KV, the one whose step is the longest still within it. None when the home is within it, no
-        other device is, or the tenant's cost model has no profile for a device's kind."""
+        ready device of the container when ``home``'s step, predicted from its heartbeat (``running``, ``kv_used``,
+        ``prefill_tokens``) with this sequence added, is past ``HANDBACK_FILL`` × the request's TPOT target; of
+        those with room for the KV, the one whose step is the longest still within it. None when the home is within
+        it, no other device is, or the tenant's cost model has no profile for a device's kind."""
         spec = self.w.tenants_by_name.get(req.tenant)
         if spec is None:
             return None
@@ -209,13 +209,15 @@ class HandOffs:
         prompt = len(req.prompt_ids)
         bound = HANDBACK_FILL * request_targets(spec.sla, cfg, prompt, req.max_tokens)[1]
         per_token = max(1, cfg.kv_bytes_per_token())
+        budget = self.w.engine.max_batch_tokens  # the mesh's workers share the engine's chunk budget
 
         def step(row: dict[str, str]) -> float | None:
             try:
                 cost = cost_for(cfg, row.get("kind", ""))
             except ConfigError:
                 return None
-            return step_with(cost, int(row.get("running") or 0), int(row.get("kv_used") or 0) // per_token, prompt)
+            return step_with(cost, int(row.get("running") or 0), int(row.get("kv_used") or 0) // per_token, prompt,
+                             int(row.get("prefill_tokens") or 0), budget)
 
         if home is not None:
             s = step(rows.get(home, {}))

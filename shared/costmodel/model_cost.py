@@ -204,6 +204,14 @@ class ModelCost:
             per_layer += self.prefill_attention_time(prefill_tokens, prefill_pairs, prefill_reads, t)
         return self.embed_time(t) + self.layers * per_layer + self.head_time(s, t) + self.profile.step_overhead_s
 
+    def chunk_iteration(self, n_decode: int, decode_kv: int, queued_prefill: int, budget: int) -> tuple[float, int]:
+        """(time, prefill rows) of a chunked-prefill iteration: ``n_decode`` decode rows (total context
+        ``decode_kv``) and the next chunk of ``queued_prefill`` prompt tokens, as many as the ``budget`` of tokens per
+        iteration leaves (one chunk from the start of a prompt); the first token of a prompt the chunk finishes is
+        sampled with the decode rows."""
+        p = min(queued_prefill, max(0, budget - n_decode))
+        return self.iteration_time(n_decode, decode_kv, p, p * (p + 1) // 2, p, n_decode + (1 if p else 0)), p
+
     def prefill_time(self, input_tokens: int, chunk: int = 2048) -> float:
         """Time to prefill one prompt alone, in chunks of ``chunk`` tokens (the isolated TTFT)."""
         key = ("prefill", input_tokens * 100003 + chunk)

@@ -29,6 +29,7 @@ from shared.policies.snapshot import ClusterSnapshot, DeviceState
 # a share exactly on the bound can come back a rounding error over it (87.20000000000002 > 87.2 ms refused the best
 # guests of bursts).
 SHARE_EPS = 1e-6
+PREFILL_CHUNK = 2048  # prompt tokens per iteration the routing prices a device's prefill at
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class SlicePolicy(Policy):
         ten = snapshot.tenants[tenant]
         model = ten.model
         home = snapshot.devices[best]
-        home_wait = (home.queued_prefill_tokens + input_tokens) * self._per_token(model, home.kind)
+        home_wait = self._home_wait(model, home, input_tokens)
         lane, lane_wait = None, float("inf")
         for lease in snapshot.leases_of(tenant):
             if lease.mode != "sequences" or lease.state != "active" or lease.id in self._closed:
@@ -142,11 +143,22 @@ class SlicePolicy(Policy):
         step = cost_for(ten.model, home.kind).iteration_time(home.running, home.decode_kv_tokens)
         return step > self.cfg.lane_tpot_fraction * ten.sla.tpot_ms / 1e3
 
+    def _home_wait(self, model, home: DeviceState, input_tokens: int) -> float:
+        """Predicted wait for the first token of a prompt queued on ``home``: its prompt queue in chunks of what the
+        chunk budget leaves beside the decode batch, each chunk an iteration that also steps that batch. A busy
+        tenant's chunks are full (the prompts behind this one fill them); with no batch, the queue at full speed."""
+        queued = home.queued_prefill_tokens + input_tokens
+        if not home.running:
+            return queued * self._per_token(model, home.kind)
+        it, rows = cost_for(model, home.kind).chunk_iteration(home.running, home.decode_kv_tokens, PREFILL_CHUNK,
+                                                              PREFILL_CHUNK)
+        return -(-queued // max(1, rows)) * it
+
     def _per_token(self, model, kind: str) -> float:
         key = (id(model), kind)
         v = self._prefill_cost.get(key)
         if v is None:
-            v = self._prefill_cost[key] = cost_for(model, kind).prefill_time(2048) / 2048
+            v = self._prefill_cost[key] = cost_for(model, kind).prefill_time(PREFILL_CHUNK) / PREFILL_CHUNK
         return v
 
     # ---------------------------------------------------------------- decisions

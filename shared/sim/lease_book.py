@@ -23,10 +23,11 @@ STAGE_DONE, LEASE_END, RELOAD_DONE, KV_MOVED = 2, 3, 4, 5
 
 
 def _step_with(e: "SimReplica", r) -> float:
-    """``e``'s predicted decode step once ``r`` joins its batch (every sequence it runs or is taking in)."""
+    """``e``'s predicted step once ``r`` joins its batch (every sequence it runs or is taking in), with the chunk of
+    its queued prompt tokens each step carries."""
     joining = sum(q.input + q.generated for _, q in e.joining)
     return step_with(e.cost, len(e.decoding) + len(e.prefilling) + len(e.joining), e.decode_kv + joining,
-                     r.input) * e.slowdown
+                     r.input, e.queued_prefill, e.cfg.max_batched_tokens) * e.slowdown
 
 
 class LeaseBook:

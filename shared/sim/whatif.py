@@ -130,9 +130,8 @@ class WhatIf:
 
     def _device_iteration(self, cost: ModelCost, d: DeviceState) -> tuple[float, int, int, int]:
         b = max(0, d.running - (1 if d.queued_prefill_tokens else 0))
-        p = min(d.queued_prefill_tokens, max(0, self.params.max_batched_tokens - b))
-        kv = d.decode_kv_tokens
-        return cost.iteration_time(b, kv, p, p * (p + 1) // 2, p, b + (1 if p else 0)), b, p, b + (1 if p else 0)
+        it, p = cost.chunk_iteration(b, d.decode_kv_tokens, d.queued_prefill_tokens, self.params.max_batched_tokens)
+        return it, b, p, b + (1 if p else 0)
 
     def tenant_latency(self, cost: ModelCost, d: DeviceState, tenant: TenantState, now: float,
                        iter_s: float, prefill_rows: int) -> tuple[float, float]:

@@ -424,3 +424,45 @@ def test_slice_holds_a_tpot_tight_prompt_to_its_own_ttft_target_when_it_picks_a_
     per_request = SLA(ttft_ms=2000, tpot_ms=tpot_ms, slowdown=5, kind="h100-80gb")
     assert route(per_request, 2000) == "h"  # its own target is shorter than the lane's wait: it stays home
     assert route(per_request, 3000) == "g"  # a longer prompt's own target covers the lane's wait
+
+
+def test_slice_prices_a_homes_prompt_queue_beside_its_decode_batch():
+    """Each iteration of a home that still decodes a batch carries only the prompt rows the chunk budget leaves and
+    also steps that batch, so its prompt queue drains slower than at the device's full prefill speed. ``slice``
+    compares a lane's wait with that: a prompt whose home queue looks shorter at full speed goes to the lane when
+    the home is busy decoding, and stays home when the home has no batch."""
+    from shared.config import SLA
+    from shared.costmodel import cost_for
+    from shared.model.config import PRESETS
+    from shared.policies.slice import PREFILL_CHUNK
+    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable, TenantState
+
+    model = PRESETS["llama-7b"]
+    cost = cost_for(model, "h100-80gb")
+    per_token = cost.prefill_time(PREFILL_CHUNK) / PREFILL_CHUNK
+    running, queued, prompt = 128, 1000, 2000
+    full_speed = (queued + prompt) * per_token
+    lane_wait = prompt * per_token / 0.5  # an empty lane queue at half the guest
+    it, rows = cost.chunk_iteration(running, running * 2000, PREFILL_CHUNK, PREFILL_CHUNK)
+    beside = -(-(queued + prompt) // rows) * it
+    assert full_speed < lane_wait < beside  # the case this test is about
+    sla = SLA(ttft_ms=5000, tpot_ms=1000)  # loose: the TPOT-tight path stays out of it
+    tenants = {"a": TenantState("a", model, sla, ["h"], mean_input=2000, mean_output=500),
+               "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
+
+    def route(batch: int) -> str:
+        home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
+                           running=batch, queued_prefill_tokens=queued, decode_kv_tokens=batch * 2000)
+        guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
+                            busy=True, running=8, decode_kv_tokens=8 * 1000, guest_share=0.6, guest_yield=0.5,
+                            guest_engines={"a": (0, 0, True)})
+        lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active",
+                           handback=True)
+        snap = ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants,
+                               leases=LeaseTable({"L": lease}))
+        pol = make_policy("slice", {"segments": False})
+        pol.devices_of = {"a": ["h"], "b": ["g"]}
+        return pol.route("a", prompt, 500, snap)
+
+    assert route(running) == "g"
+    assert route(0) == "h"  # no batch: the queue drains at full speed, shorter than the lane's wait

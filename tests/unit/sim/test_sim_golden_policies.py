@@ -39,7 +39,10 @@ def _digest(sim: Simulator) -> str:
 # 2026-12-05 when a hand-off lane stopped being priced by its own TPOT while its home can take its sequences back
 # (leases 331 → 521, violations 0 → 0.18 % here; on the 32-H100 tuning seeds its boundaries rose or held), and when
 # a lane whose lease's home is full hands the sequence to another device of the container (events 9,153 → 8,803,
-# leases 521 → 520, violations and p99s unchanged here).
+# leases 521 → 520, violations and p99s unchanged here), and 2026-12-06 when the routing began to price a home's
+# prefill beside its decode batch and the hand-off began to price a device's step with its queued prompt tokens
+# (events 8,803 → 10,024, leases 520 → 435, violations 0.18 → 0.35 % here; on the 32-H100 tuning seeds the α = 1.3
+# and 2.1 boundaries rose a grid point).
 # `pooled-bound` is analytic (shared/sim/ceiling.py, tested there); `pooled` is its simulated pool.
 GOLDEN = {
     "container": (6163, 3403.0, 0.002934272, 113.537321, 17.262247, 0, "1549a8ec5bcfe2c1"),
@@ -47,7 +50,7 @@ GOLDEN = {
     "container-realloc": (6166, 3403.0, 0.002934272, 113.537321, 17.262247, 0, "1549a8ec5bcfe2c1"),
     "muxserve": (6315, 3416.666667, 0.001760563, 126.302598, 18.270292, 0, "d4a3e06d62c842e0"),
     "token-pool": (19201, 3309.1, 0.032276995, 250.540186, 24.296625, 0, "1598206ba5f80670"),
-    "slice": (8803, 3407.933333, 0.001760563, 106.823458, 15.865235, 520, "841b54396a3bdabd"),
+    "slice": (10024, 3414.466667, 0.003521127, 114.321563, 15.792956, 435, "3a0fd292878aa4c2"),
     "pooled": (11743, 3407.933333, 0.0, 99.679629, 14.638014, 0, "0388a3acb3fe7ab4"),
 }
 

@@ -9,6 +9,7 @@ from shared.handback import HANDBACK_FILL, best_fit, step_with
 from shared.messages import InferenceRequest
 
 PROMPT = 100
+BUDGET = 2048
 
 
 def test_best_fit_takes_the_longest_step_still_within_the_bound():
@@ -23,20 +24,33 @@ def test_a_step_grows_with_the_batch_and_its_context():
     assert step_with(cost, 0, 0, PROMPT) < step_with(cost, 8, 8 * 300, PROMPT) < step_with(cost, 8, 8 * 3000, PROMPT)
 
 
+def test_a_step_carries_the_chunk_of_queued_prompt_tokens_the_budget_leaves():
+    cost = cost_for(_tenants()["em-a"].model.config, "cpu")
+    alone = step_with(cost, 8, 8 * 300, PROMPT)
+    assert step_with(cost, 8, 8 * 300, PROMPT, 0, BUDGET) == alone  # nothing queued: the decode step
+    assert alone < step_with(cost, 8, 8 * 300, PROMPT, 200, BUDGET) < step_with(cost, 8, 8 * 300, PROMPT, 4000, BUDGET)
+    # the chunk is what the budget leaves beside the batch: a larger queue than that costs no more per step
+    assert step_with(cost, 8, 8 * 300, PROMPT, 4000, BUDGET) == step_with(cost, 8, 8 * 300, PROMPT, 9000, BUDGET)
+
+
 def _tenants():
     cluster = load_cluster(REPO_CONFIGS / "cluster-emulated8.yaml")
     return {t.name: t for t in load_tenants(REPO_CONFIGS / "tenants-emulated6.yaml", cluster).tenants}
 
 
-def _row(running: int, free: int = 1 << 30, state: str = "ready", tenant: str = "em-a") -> dict[str, str]:
-    """A device row as the GMG keeps it: ``running`` sequences of 300 positions each."""
+def _row(running: int, free: int = 1 << 30, state: str = "ready", tenant: str = "em-a",
+         prefill: int = 0) -> dict[str, str]:
+    """A device row as the GMG keeps it: ``running`` sequences of 300 positions each, ``prefill`` prompt tokens
+    queued."""
     kv_per_token = _tenants()[tenant].model.config.kv_bytes_per_token()
     return {"kind": "cpu", "home_tenant": tenant, "state": state, "running": str(running),
-            "kv_used": str(running * 300 * kv_per_token), "limit": str(free), "reserved": "0"}
+            "kv_used": str(running * 300 * kv_per_token), "limit": str(free), "reserved": "0",
+            "prefill_tokens": str(prefill)}
 
 
 def _target(rows: dict[str, dict[str, str]], need: int = 1 << 20) -> str | None:
-    h = HandOffs(SimpleNamespace(tenants_by_name=_tenants(), device=SimpleNamespace(id="e2")))
+    h = HandOffs(SimpleNamespace(tenants_by_name=_tenants(), device=SimpleNamespace(id="e2"),
+                                 engine=SimpleNamespace(max_batch_tokens=BUDGET)))
     req = InferenceRequest(msg_id="m", request_id="r", tenant="em-a", gateway="gw", prompt_ids=[1] * PROMPT,
                            max_tokens=20)
     return h._fill_target(rows, req, "e0", need)
@@ -55,6 +69,11 @@ def test_the_worker_fills_another_device_of_the_container_once_the_homes_step_wo
     assert _target({"e0": _row(64), "e1": _row(8, tenant="em-b")}) is None  # not the tenant's container
     # best fit: of two devices within the bound, the fuller one
     assert _target({"e0": _row(64), "e1": _row(8), "e3": _row(32)}) == "e3"
+    # ... priced with the prompts each still has to prefill: e3's queue puts its step past the bound
+    assert step_with(cost, 32, 32 * 300, PROMPT, 2000, BUDGET) > bound
+    assert _target({"e0": _row(64), "e1": _row(8), "e3": _row(32, prefill=2000)}) == "e1"
+    # a home within the bound on its batch alone is past it while it prefills a queue
+    assert _target({"e0": _row(32, prefill=2000), "e1": _row(8)}) == "e1"
 
 
 def test_a_device_kind_without_a_profile_leaves_the_rule_before():

@@ -146,9 +146,12 @@ class SlicePolicy(Policy):
     def _home_wait(self, model, home: DeviceState, input_tokens: int) -> float:
         """Predicted wait for the first token of a prompt queued on ``home``: its prompt queue in chunks of what the
         chunk budget leaves beside the decode batch, each chunk an iteration that also steps that batch. A busy
-        tenant's chunks are full (the prompts behind this one fill them); with no batch, the queue at full speed."""
+        tenant's chunks are full (the prompts behind this one fill them); with no batch, the queue at full speed.
+        Without ``lane_handback`` the queue at full speed always: a prompt sent to a lane then also decodes there, at
+        the guest's share, and pricing the home beside its batch sent more prompts to lanes than they could decode
+        (docs/policies.md)."""
         queued = home.queued_prefill_tokens + input_tokens
-        if not home.running:
+        if not home.running or not self.cfg.lane_handback:
             return queued * self._per_token(model, home.kind)
         it, rows = cost_for(model, home.kind).chunk_iteration(home.running, home.decode_kv_tokens, PREFILL_CHUNK,
                                                               PREFILL_CHUNK)

@@ -430,7 +430,8 @@ def test_slice_prices_a_homes_prompt_queue_beside_its_decode_batch():
     """Each iteration of a home that still decodes a batch carries only the prompt rows the chunk budget leaves and
     also steps that batch, so its prompt queue drains slower than at the device's full prefill speed. ``slice``
     compares a lane's wait with that: a prompt whose home queue looks shorter at full speed goes to the lane when
-    the home is busy decoding, and stays home when the home has no batch."""
+    the home is busy decoding, and stays home when the home has no batch or the lane would decode it too (no
+    hand-off)."""
     from shared.config import SLA
     from shared.costmodel import cost_for
     from shared.model.config import PRESETS
@@ -450,7 +451,7 @@ def test_slice_prices_a_homes_prompt_queue_beside_its_decode_batch():
     tenants = {"a": TenantState("a", model, sla, ["h"], mean_input=2000, mean_output=500),
                "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
 
-    def route(batch: int) -> str:
+    def route(batch: int, **params) -> str:
         home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
                            running=batch, queued_prefill_tokens=queued, decode_kv_tokens=batch * 2000)
         guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
@@ -460,9 +461,10 @@ def test_slice_prices_a_homes_prompt_queue_beside_its_decode_batch():
                            handback=True)
         snap = ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants,
                                leases=LeaseTable({"L": lease}))
-        pol = make_policy("slice", {"segments": False})
+        pol = make_policy("slice", {"segments": False, **params})
         pol.devices_of = {"a": ["h"], "b": ["g"]}
         return pol.route("a", prompt, 500, snap)
 
     assert route(running) == "g"
     assert route(0) == "h"  # no batch: the queue drains at full speed, shorter than the lane's wait
+    assert route(running, lane_handback=False) == "h"  # the lane would decode it too: the home at full speed

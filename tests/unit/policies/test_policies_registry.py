@@ -345,6 +345,29 @@ def test_slice_keeps_a_hand_off_lane_open_on_a_slow_guest_while_its_home_can_tak
     assert not extended() and "L" in pol._closed
 
 
+def _one_lane(tenants: dict, running: int, lane_queued: int, home_queued: int = 0):
+    """Tenant ``a``'s home ``h`` decoding ``running`` sequences of 2,000 positions with ``home_queued`` prompt tokens
+    queued, and one open hand-off lane of it on ``b``'s busy device ``g`` with ``lane_queued`` queued; returns
+    ``route(input_tokens, **params)`` of a fresh ``slice`` (no segments) on that snapshot."""
+    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable
+
+    home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
+                       running=running, queued_prefill_tokens=home_queued, decode_kv_tokens=running * 2000)
+    guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
+                        busy=True, running=8, decode_kv_tokens=8 * 1000, guest_share=0.6, guest_yield=0.5,
+                        guest_engines={"a": (0, lane_queued, True)})
+    lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active",
+                       handback=True)
+    snap = ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants, leases=LeaseTable({"L": lease}))
+
+    def route(input_tokens: int, **params) -> str:
+        pol = make_policy("slice", {"segments": False, **params})
+        pol.devices_of = {"a": ["h"], "b": ["g"]}
+        return pol.route("a", input_tokens, 500, snap)
+
+    return route
+
+
 def test_slice_sends_a_prompt_to_a_hand_off_lane_while_its_homes_decode_step_is_near_the_tpot_target():
     """A prompt prefilled at home adds its chunks to the steps of the home's whole batch. When the home's decode
     step alone is already past ``lane_tpot_fraction`` × the TPOT target, ``slice`` sends the prompt to an open
@@ -354,7 +377,7 @@ def test_slice_sends_a_prompt_to_a_hand_off_lane_while_its_homes_decode_step_is_
     from shared.config import SLA
     from shared.costmodel import cost_for
     from shared.model.config import PRESETS
-    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable, TenantState
+    from shared.policies.snapshot import TenantState
 
     model = PRESETS["llama-7b"]
     step = cost_for(model, "h100-80gb").iteration_time(64, 64 * 2000)
@@ -362,21 +385,8 @@ def test_slice_sends_a_prompt_to_a_hand_off_lane_while_its_homes_decode_step_is_
     tenants = {"a": TenantState("a", model, sla, ["h"], mean_input=2000, mean_output=500),
                "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
 
-    def snap(running: int) -> ClusterSnapshot:
-        home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
-                           running=running, queued_prefill_tokens=0, decode_kv_tokens=running * 2000)
-        guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
-                            busy=True, running=8, decode_kv_tokens=8 * 1000, guest_share=0.6, guest_yield=0.5,
-                            guest_engines={"a": (0, 4000, True)})
-        lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active",
-                           handback=True)
-        return ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants,
-                               leases=LeaseTable({"L": lease}))
-
     def route(params: dict, running: int = 64) -> str:
-        pol = make_policy("slice", {"segments": False, **params})
-        pol.devices_of = {"a": ["h"], "b": ["g"]}
-        return pol.route("a", 2000, 500, snap(running))
+        return _one_lane(tenants, running, 4000)(2000, **params)
 
     assert make_policy("slice").config.lane_tpot_fraction == 0.8
     assert route({}) == "g"  # the home's queue is empty, but its step is tight: the lane prefills it
@@ -393,7 +403,7 @@ def test_slice_holds_a_tpot_tight_prompt_to_its_own_ttft_target_when_it_picks_a_
     from shared.config import SLA
     from shared.costmodel import cost_for
     from shared.model.config import PRESETS
-    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable, TenantState
+    from shared.policies.snapshot import TenantState
 
     model = PRESETS["llama-7b"]
     cost = cost_for(model, "h100-80gb")
@@ -406,18 +416,7 @@ def test_slice_holds_a_tpot_tight_prompt_to_its_own_ttft_target_when_it_picks_a_
     def route(sla: SLA, input_tokens: int) -> str:
         tenants = {"a": TenantState("a", model, sla, ["h"], mean_input=2000, mean_output=500),
                    "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
-        home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
-                           running=64, decode_kv_tokens=64 * 2000)
-        guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
-                            busy=True, running=8, decode_kv_tokens=8 * 1000, guest_share=0.6, guest_yield=0.5,
-                            guest_engines={"a": (0, 4000, True)})
-        lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active",
-                           handback=True)
-        snap = ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants,
-                               leases=LeaseTable({"L": lease}))
-        pol = make_policy("slice", {"segments": False})
-        pol.devices_of = {"a": ["h"], "b": ["g"]}
-        return pol.route("a", input_tokens, 500, snap)
+        return _one_lane(tenants, 64, 4000)(input_tokens)
 
     tpot_ms = step * 1e3 / 0.9  # the home's decode step alone is 0.9 × the (reference) TPOT target
     assert route(SLA(ttft_ms=2000, tpot_ms=tpot_ms), 2000) == "g"  # a fixed 2 s target: the lane meets it
@@ -436,7 +435,7 @@ def test_slice_prices_a_homes_prompt_queue_beside_its_decode_batch():
     from shared.costmodel import cost_for
     from shared.model.config import PRESETS
     from shared.policies.slice import PREFILL_CHUNK
-    from shared.policies.snapshot import ClusterSnapshot, DeviceState, LeaseState, LeaseTable, TenantState
+    from shared.policies.snapshot import TenantState
 
     model = PRESETS["llama-7b"]
     cost = cost_for(model, "h100-80gb")
@@ -452,18 +451,7 @@ def test_slice_prices_a_homes_prompt_queue_beside_its_decode_batch():
                "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
 
     def route(batch: int, **params) -> str:
-        home = DeviceState("h", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="a", tenants=["a"], busy=True,
-                           running=batch, queued_prefill_tokens=queued, decode_kv_tokens=batch * 2000)
-        guest = DeviceState("g", "h100-80gb", "h0", 80 << 30, 4 << 30, home_tenant="b", tenants=["b", "a"],
-                            busy=True, running=8, decode_kv_tokens=8 * 1000, guest_share=0.6, guest_yield=0.5,
-                            guest_engines={"a": (0, 0, True)})
-        lease = LeaseState("L", "a", "h", "g", ("*",), 0.0, 1.05, 0, 0.6, mode="sequences", state="active",
-                           handback=True)
-        snap = ClusterSnapshot(now=1.0, devices={"h": home, "g": guest}, tenants=tenants,
-                               leases=LeaseTable({"L": lease}))
-        pol = make_policy("slice", {"segments": False, **params})
-        pol.devices_of = {"a": ["h"], "b": ["g"]}
-        return pol.route("a", prompt, 500, snap)
+        return _one_lane(tenants, batch, 0, queued)(prompt, **params)
 
     assert route(running) == "g"
     assert route(0) == "h"  # no batch: the queue drains at full speed, shorter than the lane's wait

@@ -51,6 +51,7 @@ class SliceConfig(PolicyConfig):
     share_max: float = 0.6  # most of a busy guest's time one lease may take
     min_share: float = 0.1
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit
+    lane_wait_fraction: float = 0.0  # >0: a shorter lane wait takes a prompt only past this × its TTFT target at home
     lane_tpot_fraction: float = 0.8  # >0: a home whose decode step is past this × TPOT target sends prompts to lanes
     max_leases: int = 3  # leases one home device may hold at once
     guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
@@ -91,7 +92,8 @@ class SlicePolicy(Policy):
     def route(self, tenant: str, input_tokens: int, output_tokens: int, snapshot: ClusterSnapshot) -> str | None:
         """Least-loaded device of the tenant's container, or a guest holding a "sequences" lease of it when the
         predicted wait for the first token is shorter there (its prompt queue over the share of the guest's time
-        it gets now: everything the other leases leave while the guest's tenant is idle, its yield otherwise)."""
+        it gets now: everything the other leases leave while the guest's tenant is idle, its yield otherwise) and,
+        with ``lane_wait_fraction`` > 0, the home's is past that fraction of the prompt's TTFT target."""
         devs = self.devices_of.get(tenant)
         if devs is None:
             devs = self.devices_of[tenant] = [d.id for d in snapshot.tenant_devices(tenant)]
@@ -128,12 +130,19 @@ class SlicePolicy(Policy):
                 lane, lane_wait = g.id, wait
         if lane is None:
             return best
-        if lane_wait < home_wait:
-            return lane
         cfg = self.cfg
-        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and self._tpot_tight(ten, home) \
-                and lane_wait < self.request_targets(ten)(input_tokens, output_tokens)[0]:
-            return lane  # each step that prefilled it at home would slow the whole batch past its TPOT target
+        ttft = None
+        if lane_wait < home_wait:
+            if cfg.lane_wait_fraction <= 0:
+                return lane
+            ttft = self.request_targets(ten)(input_tokens, output_tokens)[0]
+            if home_wait > cfg.lane_wait_fraction * ttft:
+                return lane  # below it the home keeps the prompt: the guest's own tenant is spared the lane's work
+        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and self._tpot_tight(ten, home):
+            if ttft is None:
+                ttft = self.request_targets(ten)(input_tokens, output_tokens)[0]
+            if lane_wait < ttft:
+                return lane  # each step that prefilled it at home would slow the whole batch past its TPOT target
         return best
 
     def _tpot_tight(self, ten, home: DeviceState) -> bool:

@@ -456,3 +456,33 @@ def test_slice_prices_a_homes_prompt_queue_beside_its_decode_batch():
     assert route(running) == "g"
     assert route(0) == "h"  # no batch: the queue drains at full speed, shorter than the lane's wait
     assert route(running, lane_handback=False) == "h"  # the lane would decode it too: the home at full speed
+
+
+def test_slice_keeps_a_prompt_home_while_its_wait_there_is_well_within_its_ttft_target_with_lane_wait_fraction():
+    """A lane's shorter wait takes a prompt only once the home's predicted wait is past ``lane_wait_fraction`` × the
+    prompt's TTFT target (0, the default: whenever it is shorter). At low load a home well within its target keeps
+    its prompts, and the guest's own tenant is spared the lane's prefill chunks (a one-device tenant hosting lanes
+    missed its TTFT target behind them)."""
+    from shared.config import SLA
+    from shared.costmodel import cost_for
+    from shared.model.config import PRESETS
+    from shared.policies.slice import PREFILL_CHUNK
+    from shared.policies.snapshot import TenantState
+
+    model = PRESETS["llama-7b"]
+    cost = cost_for(model, "h100-80gb")
+    running, queued, prompt = 128, 1000, 2000
+    it, rows = cost.chunk_iteration(running, running * 2000, PREFILL_CHUNK, PREFILL_CHUNK)
+    home_wait = -(-(queued + prompt) // rows) * it
+    lane_wait = prompt * cost.prefill_time(PREFILL_CHUNK) / PREFILL_CHUNK / 0.5
+    assert lane_wait < home_wait  # the lane is sooner: without the fraction it takes the prompt
+    ttft_ms = 4 * home_wait * 1e3  # the home's wait is a quarter of the target
+    sla = SLA(ttft_ms=ttft_ms, tpot_ms=1000)  # loose TPOT: the TPOT-tight path stays out of it
+    tenants = {"a": TenantState("a", model, sla, ["h"], mean_input=2000, mean_output=500),
+               "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
+    route = _one_lane(tenants, running, 0, queued)
+
+    assert make_policy("slice").config.lane_wait_fraction == 0.0
+    assert route(prompt) == "g"
+    assert route(prompt, lane_wait_fraction=0.2) == "g"  # 0.25 × the target is past 0.2 ×: the lane
+    assert route(prompt, lane_wait_fraction=0.3) == "h"  # within 0.3 ×: the home keeps it

@@ -131,18 +131,14 @@ class SlicePolicy(Policy):
         if lane is None:
             return best
         cfg = self.cfg
-        ttft = None
-        if lane_wait < home_wait:
-            if cfg.lane_wait_fraction <= 0:
-                return lane
-            ttft = self.request_targets(ten)(input_tokens, output_tokens)[0]
-            if home_wait > cfg.lane_wait_fraction * ttft:
-                return lane  # below it the home keeps the prompt: the guest's own tenant is spared the lane's work
-        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and self._tpot_tight(ten, home):
-            if ttft is None:
-                ttft = self.request_targets(ten)(input_tokens, output_tokens)[0]
-            if lane_wait < ttft:
-                return lane  # each step that prefilled it at home would slow the whole batch past its TPOT target
+
+        def ttft() -> float:  # this prompt's own TTFT target (priced only where a rule needs it)
+            return self.request_targets(ten)(input_tokens, output_tokens)[0]
+
+        if lane_wait < home_wait and (cfg.lane_wait_fraction <= 0 or home_wait > cfg.lane_wait_fraction * ttft()):
+            return lane  # (below that fraction the home keeps it: the guest's own tenant is spared the lane's work)
+        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and self._tpot_tight(ten, home) and lane_wait < ttft():
+            return lane  # each step that prefilled it at home would slow the whole batch past its TPOT target
         return best
 
     def _tpot_tight(self, ten, home: DeviceState) -> bool:

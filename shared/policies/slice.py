@@ -51,7 +51,9 @@ class SliceConfig(PolicyConfig):
     share_max: float = 0.6  # most of a busy guest's time one lease may take
     min_share: float = 0.1
     min_gain: float = 0.08  # predicted iteration-time saving needed to commit
-    lane_wait_fraction: float = 0.0  # >0: a shorter lane wait takes a prompt only past this × its TTFT target at home
+    lane_wait_fraction: float = 0.0  # >0: while the home has no prompt queued and TPOT slack, a shorter lane wait
+    #   takes a prompt only once the home's wait is past this × the prompt's TTFT target
+    home_step_fraction: float = 0.4  # ... TPOT slack: the home's decode step alone within this × the TPOT target
     lane_tpot_fraction: float = 0.8  # >0: a home whose decode step is past this × TPOT target sends prompts to lanes
     max_leases: int = 3  # leases one home device may hold at once
     guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
@@ -93,7 +95,8 @@ class SlicePolicy(Policy):
         """Least-loaded device of the tenant's container, or a guest holding a "sequences" lease of it when the
         predicted wait for the first token is shorter there (its prompt queue over the share of the guest's time
         it gets now: everything the other leases leave while the guest's tenant is idle, its yield otherwise) and,
-        with ``lane_wait_fraction`` > 0, the home's is past that fraction of the prompt's TTFT target."""
+        with ``lane_wait_fraction`` > 0, no prompt queued at the home and its decode step alone within
+        ``home_step_fraction`` × the TPOT target, the home's is past that fraction of the prompt's TTFT target."""
         devs = self.devices_of.get(tenant)
         if devs is None:
             devs = self.devices_of[tenant] = [d.id for d in snapshot.tenant_devices(tenant)]
@@ -135,18 +138,24 @@ class SlicePolicy(Policy):
         def ttft() -> float:  # this prompt's own TTFT target (priced only where a rule needs it)
             return self.request_targets(ten)(input_tokens, output_tokens)[0]
 
-        if lane_wait < home_wait and (cfg.lane_wait_fraction <= 0 or home_wait > cfg.lane_wait_fraction * ttft()):
-            return lane  # (below that fraction the home keeps it: the guest's own tenant is spared the lane's work)
-        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and self._tpot_tight(ten, home) and lane_wait < ttft():
+        if lane_wait < home_wait and (cfg.lane_wait_fraction <= 0 or home_wait > cfg.lane_wait_fraction * ttft()
+                                      or home.queued_prefill_tokens > 0
+                                      or self._tpot_tight(ten, home, cfg.home_step_fraction)):
+            # (a home with no prompt queued and TPOT slack keeps one well within its target: the lane's guest tenant
+            # is spared its chunks, the prompt the lane's tail. A queued home's steps already carry chunks, and a
+            # chunk in a batch near its TPOT target costs the whole batch: those send it on)
+            return lane
+        if cfg.lane_tpot_fraction > 0 and cfg.lane_handback and self._tpot_tight(ten, home, cfg.lane_tpot_fraction) \
+                and lane_wait < ttft():
             return lane  # each step that prefilled it at home would slow the whole batch past its TPOT target
         return best
 
-    def _tpot_tight(self, ten, home: DeviceState) -> bool:
-        """The home's decode step alone is past ``lane_tpot_fraction`` × its tenant's TPOT target."""
+    def _tpot_tight(self, ten, home: DeviceState, fraction: float) -> bool:
+        """The home's decode step alone is past ``fraction`` × its tenant's TPOT target."""
         if not home.running:
             return False
         step = cost_for(ten.model, home.kind).iteration_time(home.running, home.decode_kv_tokens)
-        return step > self.cfg.lane_tpot_fraction * ten.sla.tpot_ms / 1e3
+        return step > fraction * ten.sla.tpot_ms / 1e3
 
     def _home_wait(self, model, home: DeviceState, input_tokens: int) -> float:
         """Predicted wait for the first token of a prompt queued on ``home``: its prompt queue in chunks of what the

@@ -459,10 +459,12 @@ def test_slice_prices_a_homes_prompt_queue_beside_its_decode_batch():
 
 
 def test_slice_keeps_a_prompt_home_while_its_wait_there_is_well_within_its_ttft_target_with_lane_wait_fraction():
-    """A lane's shorter wait takes a prompt only once the home's predicted wait is past ``lane_wait_fraction`` × the
-    prompt's TTFT target (0, the default: whenever it is shorter). At low load a home well within its target keeps
-    its prompts, and the guest's own tenant is spared the lane's prefill chunks (a one-device tenant hosting lanes
-    missed its TTFT target behind them)."""
+    """With no prompt queued at the home, a lane's shorter wait takes a prompt only once the home's predicted wait
+    is past ``lane_wait_fraction`` × the prompt's TTFT target (0: whenever it is shorter). At low load a home well
+    within its target keeps its prompts, and the guest's own tenant is spared the lane's prefill chunks (one-device
+    tenants hosting lanes missed their TTFT target behind them). A home with prompts queued, or whose decode step alone
+    is past ``home_step_fraction`` × the TPOT target, sends it on whatever the fraction: a chunk there costs the steps
+    of a batch near its target (keeping prompts at such homes lost one-device tenants to TPOT misses at high load)."""
     from shared.config import SLA
     from shared.costmodel import cost_for
     from shared.model.config import PRESETS
@@ -471,18 +473,30 @@ def test_slice_keeps_a_prompt_home_while_its_wait_there_is_well_within_its_ttft_
 
     model = PRESETS["llama-7b"]
     cost = cost_for(model, "h100-80gb")
-    running, queued, prompt = 128, 1000, 2000
+    running, prompt = 128, 2000
     it, rows = cost.chunk_iteration(running, running * 2000, PREFILL_CHUNK, PREFILL_CHUNK)
-    home_wait = -(-(queued + prompt) // rows) * it
+    home_wait = -(-prompt // rows) * it
     lane_wait = prompt * cost.prefill_time(PREFILL_CHUNK) / PREFILL_CHUNK / 0.5
     assert lane_wait < home_wait  # the lane is sooner: without the fraction it takes the prompt
     ttft_ms = 4 * home_wait * 1e3  # the home's wait is a quarter of the target
     sla = SLA(ttft_ms=ttft_ms, tpot_ms=1000)  # loose TPOT: the TPOT-tight path stays out of it
     tenants = {"a": TenantState("a", model, sla, ["h"], mean_input=2000, mean_output=500),
                "b": TenantState("b", model, sla, ["g"], mean_input=1000, mean_output=100, rate_rps=1.0)}
-    route = _one_lane(tenants, running, 0, queued)
+    route = _one_lane(tenants, running, 0)
 
     assert make_policy("slice").config.lane_wait_fraction == 0.0
     assert route(prompt) == "g"
     assert route(prompt, lane_wait_fraction=0.2) == "g"  # 0.25 × the target is past 0.2 ×: the lane
     assert route(prompt, lane_wait_fraction=0.3) == "h"  # within 0.3 ×: the home keeps it
+    assert route(prompt, lane_wait_fraction=0.6) == "h"
+    # 100 prompt tokens queued at the home: two chunks, half the target (within 0.6 ×), yet the lane takes it
+    queued = _one_lane(tenants, running, 0, home_queued=100)
+    assert queued(prompt, lane_wait_fraction=0.6) == "g"
+    # the home's decode step alone at 0.6 × its TPOT target: past home_step_fraction (0.4), so the lane takes it,
+    # though the step is within lane_tpot_fraction (0.8) and the wait within 0.6 × the TTFT target
+    step = cost.iteration_time(running, running * 2000)
+    near = SLA(ttft_ms=ttft_ms, tpot_ms=step * 1e3 / 0.6)
+    busy = _one_lane({**tenants, "a": TenantState("a", model, near, ["h"], mean_input=2000, mean_output=500)},
+                     running, 0)
+    assert busy(prompt, lane_wait_fraction=0.6) == "g"
+    assert busy(prompt, lane_wait_fraction=0.6, home_step_fraction=0.7) == "h"

@@ -138,9 +138,9 @@ class SlicePolicy(Policy):
         def ttft() -> float:  # this prompt's own TTFT target (priced only where a rule needs it)
             return self.request_targets(ten)(input_tokens, output_tokens)[0]
 
-        if lane_wait < home_wait and (cfg.lane_wait_fraction <= 0 or home_wait > cfg.lane_wait_fraction * ttft()
-                                      or home.queued_prefill_tokens > 0
-                                      or self._tpot_tight(ten, home, cfg.home_step_fraction)):
+        if lane_wait < home_wait and (cfg.lane_wait_fraction <= 0 or home.queued_prefill_tokens > 0
+                                      or self._tpot_tight(ten, home, cfg.home_step_fraction)
+                                      or home_wait > cfg.lane_wait_fraction * ttft()):
             # (a home with no prompt queued and TPOT slack keeps one well within its target: the lane's guest tenant
             # is spared its chunks, the prompt the lane's tail. A queued home's steps already carry chunks, and a
             # chunk in a batch near its TPOT target costs the whole batch: those send it on)

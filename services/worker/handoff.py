@@ -136,6 +136,8 @@ class HandOffs:
         self.w = w
         self.exports = KVExports()
         self.ready: set[str] = set()  # paused after their first token; sent once that token is published
+        # their state, exported on the compute thread right after that step (dict set/pop are atomic)
+        self._exported: dict[str, SequenceState] = {}
         self._sending: dict[str, _Sending] = {}
         self._tasks: set[asyncio.Task] = set()
         self._receiving: dict[str, str] = {}  # request id -> entry id of a hand-off being received here
@@ -145,11 +147,17 @@ class HandOffs:
     # ------------------------------------------------------------ guest
     def pause_first_tokens(self, eng, events: list) -> None:
         """Compute thread, after a lane step of a ``handback`` lane: pause each sequence that just got its first
-        token and is not done (it waits for :meth:`send`)."""
+        token and is not done (it waits for :meth:`send`), and export its state now: :meth:`send` would otherwise
+        wait for the compute thread to finish the lane's next step (a whole iteration of the guest) first."""
         for ev in events:
+            rid = ev.request_id
             if ev.token_ids and ev.completion_tokens == 1 and ev.finish_reason is None \
-                    and ev.request_id in self.w.tracker.items and eng.pause(ev.request_id):
-                self.ready.add(ev.request_id)
+                    and rid in self.w.tracker.items and eng.pause(rid):
+                self.ready.add(rid)
+                try:
+                    self._exported[rid] = eng.export_sequence(rid)
+                except ValueError:  # send() exports it then (and refuses it as before if it still cannot)
+                    pass
 
     def published(self, events: list) -> None:
         """Event loop, once a step's chunks are in Redis: start the hand-off of the sequences paused in it."""
@@ -235,6 +243,7 @@ class HandOffs:
 
     async def send(self, rid: str) -> None:
         w = self.w
+        exported = self._exported.pop(rid, None)
         t = w.tracker.items.get(rid)
         eng = w.engine_of.get(rid)
         if t is None or eng is None:
@@ -247,7 +256,7 @@ class HandOffs:
                 await self._resume(eng, rid, "no_home" if home is None else "not_owner")
                 return
             began = True
-            state = await self._on_compute(eng.export_sequence, rid)
+            state = exported if exported is not None else await self._on_compute(eng.export_sequence, rid)
             self.exports.put(rid, token, home, state.kv)
             fut = asyncio.get_running_loop().create_future()
             self._sending[rid] = _Sending(token, fut)
@@ -401,7 +410,9 @@ class HandOffs:
                          request_id=rid)
         await w.retrying(lambda: w.producer.add(worker_stream(w.p, msg.from_device), reply), "handoff_reply_retry",
                          request_id=rid)
-        await self._on_compute(eng.resume, rid)
+        # not through the compute thread, which may be in a step already: that would hold the sequence out of the
+        # next one too (``_paused`` is only tested for membership while a step is planned)
+        eng.resume(rid)
         w.wake.set()
         log.info("handoff_received", request_id=rid, guest=msg.from_device, kv_layers=len(state.kv))
         return True

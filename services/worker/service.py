@@ -13,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 from prometheus_client import Counter, Gauge
 
-from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig, TenantsConfig, env_number
+from shared.config import (ClusterConfig, ConfigError, DeviceConfig, Settings, TenantConfig, TenantsConfig,
+                           env_number)
+from shared.costmodel import cost_for
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, HandOff, HandOffReply, LeaseGranted,
                              LeaseRevoked, RequestError, RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg,
@@ -26,12 +28,14 @@ from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.worker.core import StepAggregator, Tracker
 from services.worker.direct_publish import DirectPublisher
 from services.worker.handoff import HandOffs, sampling_params
+from services.worker.lanes import LANE_STEP_FRACTION, lane_chunk_tokens
 
 log = structlog.get_logger()
 
 TOKENS_MAXLEN = 200_000
 EVENTS_MAXLEN = 200_000
 HEARTBEAT_S = 0.5
+HEARTBEAT_MIN_S = 0.02  # shortest gap before a heartbeat a lane's change asked for
 BURST_MAX_S = 0.05  # longest run of home steps without a pass through the event loop
 PUBLISH_BACKLOG = 8  # steps whose tokens wait to be published before a burst of steps ends
 PUBLISH_LIMIT = 64  # ... and before the compute loop waits for the publisher
@@ -44,6 +48,9 @@ class WorkerService:
         self.lanes = lanes  # GuestLanes for "sequences" leases (services/worker/lanes.py), or None
         self.engine_of: dict[str, Engine] = {}  # request id -> the engine running it (home or a guest lane)
         self.tenants_by_name = {t.name: t for t in tenants.tenants} if tenants is not None else {tenant.name: tenant}
+        self._beat_now = asyncio.Event()  # a lane changed: heartbeat now (_report_lanes)
+        self._lanes_reported: frozenset[str] = frozenset()  # lanes accepting new sequences at the last heartbeat
+        self._lane_chunks: dict[tuple, int] = {}  # (lane tenant, full budget) -> capped prompt tokens per iteration
         self.configured = set(self.tenants_by_name)
         self.p = settings.prefix
         self.worker_id = instance_id(f"worker-{device.id}")
@@ -134,16 +141,41 @@ class WorkerService:
         return self.lease_agent.step() if self.lease_agent is not None else self.engine.step()
 
     def _lane_step(self, eng):
-        """A guest-lane iteration holds the device like home work, so leased segments never run concurrently."""
+        """A guest-lane iteration holds the device like home work, so leased segments never run concurrently.
+        While the home tenant has work its prompt chunk is capped (:meth:`_lane_chunk`)."""
         lock = getattr(self.lease_agent, "lock", None)
-        if lock is None:
-            res = eng.step()
-        else:
-            with lock.home():
+        full = eng.max_batch_tokens
+        if self.engine.has_work():
+            eng.max_batch_tokens = self._lane_chunk(eng, full)
+        try:
+            if lock is None:
                 res = eng.step()
+            else:
+                with lock.home():
+                    res = eng.step()
+        finally:
+            eng.max_batch_tokens = full
         if self.lanes is not None and self.lanes.hands_back(eng):
             self.handoffs.pause_first_tokens(eng, res.events)
         return res
+
+    def _lane_chunk(self, eng, full: int) -> int:
+        """A lane iteration's prompt-token budget while the home tenant has work: what the lane tenant's cost model
+        on this device puts within :data:`LANE_STEP_FRACTION` × the home tenant's TPOT target (``full`` without a
+        profile for this device's kind)."""
+        tenant = next((ln.tenant for ln in self.lanes.lanes.values() if ln.engine is eng), None)
+        key = (tenant, full)
+        n = self._lane_chunks.get(key)
+        if n is None:
+            spec = self.tenants_by_name.get(tenant)
+            try:
+                cost = cost_for(spec.model.config, self.device.kind) if spec is not None else None
+            except ConfigError:
+                cost = None
+            n = full if cost is None else lane_chunk_tokens(
+                cost, LANE_STEP_FRACTION * self.tenant.sla.tpot_ms / 1e3, full)
+            self._lane_chunks[key] = n
+        return n
 
     def _health_extra(self) -> dict:
         # ``tenant``: the GMG's start-up reconciliation refuses to remove the state of a tenant a live worker serves
@@ -215,11 +247,13 @@ class WorkerService:
         if isinstance(msg, LeaseGranted) and msg.mode == "sequences":
             if msg.guest_device == self.device.id and self.lanes is not None:
                 self.lanes.on_granted(msg)
+                self._report_lanes()
                 self.wake.set()
             return ACK
         if isinstance(msg, LeaseRevoked) and self.lanes is not None and msg.guest_device == self.device.id \
                 and msg.tenant in self.lanes.lanes:
             self.lanes.on_revoked(msg)
+            self._report_lanes()
         if isinstance(msg, (LeaseGranted, LeaseRevoked)):
             if self.lease_agent is not None:
                 await self.lease_agent.on_message(msg)
@@ -353,6 +387,14 @@ class WorkerService:
                     log.exception("lane_staging_failed", tenant=t)
                 finally:
                     self.lanes.lanes[t].staging = False
+                self._report_lanes()
+
+    def _report_lanes(self) -> None:
+        """Heartbeat now when a lane started or stopped taking new sequences since the last one: the scheduler
+        routes to a lane only once a heartbeat says it is accepting (a lease is granted for ~1 s, and waiting
+        for the next periodic heartbeat hid a third of it from routing on the emulated mesh)."""
+        if self.lanes is not None and self.lanes.accepting() != self._lanes_reported:
+            self._beat_now.set()
 
     async def _apply_ops(self) -> None:
         ops, self.pending_ops = self.pending_ops, []
@@ -479,10 +521,14 @@ class WorkerService:
     async def _heartbeat_loop(self) -> None:
         beats = 0
         while not self.shell.stop.is_set():
-            try:
-                await asyncio.wait_for(self.shell.stop.wait(), timeout=HEARTBEAT_S)
-            except asyncio.TimeoutError:
-                pass
+            # every HEARTBEAT_S; sooner when a lane's state changed (HEARTBEAT_MIN_S after it) or on stop
+            waits = [asyncio.ensure_future(self.shell.stop.wait()), asyncio.ensure_future(self._beat_now.wait())]
+            await asyncio.wait(waits, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
+            for f in waits:
+                f.cancel()
+            if self._beat_now.is_set() and not self.shell.stop.is_set():
+                await asyncio.sleep(HEARTBEAT_MIN_S)
+            self._beat_now.clear()
             beats += 1
             try:
                 await self._heartbeat()
@@ -492,6 +538,12 @@ class WorkerService:
                     await self._reserve_weights()
             except REDIS_ERRORS as e:
                 log.warning("heartbeat_failed", error=repr(e))
+
+    def _lane_status(self) -> list:
+        if self.lanes is None:
+            return []
+        self._lanes_reported = self.lanes.accepting()
+        return self.lanes.status()
 
     async def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -510,7 +562,7 @@ class WorkerService:
                              kv_used_bytes=kv_used, kv_total_bytes=e.kv_blocks_total * e.kv_bytes_per_block,
                              running=len(e.running_ids()), queued=len(e.waiting_ids()), busy_ratio=min(1.0, busy),
                              queued_prefill_tokens=backlog, prefill_oldest_ts=min(arrivals, default=0.0),
-                             guest_lanes=self.lanes.status() if self.lanes is not None else [],
+                             guest_lanes=self._lane_status(),
                              guest_share=self.lanes.share() if self.lanes is not None else 0.0)
         items = [(events_stream(self.p), hb)]
         if self.lease_agent is not None:

@@ -21,27 +21,6 @@ log = structlog.get_logger()
 
 EngineFactory = Callable[[TenantConfig, int], object]  # (tenant, kv_blocks) -> Engine-like
 
-# While the home tenant has work, a lane iteration's prompt tokens are capped so that it takes at most this
-# fraction of the home tenant's TPOT target: the home's sequences wait for each lane iteration whole (one 2,048-token
-# chunk of a guest's prompts would hold their next token for as long as that chunk takes).
-LANE_STEP_FRACTION = 0.5
-MIN_LANE_CHUNK = 16
-
-
-def lane_chunk_tokens(cost, budget_s: float, full: int) -> int:
-    """Most prompt tokens (at least :data:`MIN_LANE_CHUNK`, at most ``full``) whose prefill alone, as one chunk,
-    the cost model (``cost``: a :class:`~shared.costmodel.ModelCost`) puts within ``budget_s``."""
-    lo, hi = min(MIN_LANE_CHUNK, full), full
-    if cost.prefill_time(hi, hi) <= budget_s:
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if cost.prefill_time(mid, mid) <= budget_s:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
 
 @dataclass
 class Lane:

@@ -13,9 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 from prometheus_client import Counter, Gauge
 
-from shared.config import (ClusterConfig, ConfigError, DeviceConfig, Settings, TenantConfig, TenantsConfig,
-                           env_number)
-from shared.costmodel import cost_for
+from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig, TenantsConfig, env_number
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, HandOff, HandOffReply, LeaseGranted,
                              LeaseRevoked, RequestError, RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg,
@@ -28,7 +26,6 @@ from shared.streams import ACK, DEFER, Delivery, StreamConsumer, StreamProducer
 from services.worker.core import StepAggregator, Tracker
 from services.worker.direct_publish import DirectPublisher
 from services.worker.handoff import HandOffs, sampling_params
-from services.worker.lanes import LANE_STEP_FRACTION, lane_chunk_tokens
 
 log = structlog.get_logger()
 
@@ -50,7 +47,6 @@ class WorkerService:
         self.tenants_by_name = {t.name: t for t in tenants.tenants} if tenants is not None else {tenant.name: tenant}
         self._beat_now = asyncio.Event()  # a lane changed: heartbeat now (_report_lanes)
         self._lanes_reported: frozenset[str] = frozenset()  # lanes accepting new sequences at the last heartbeat
-        self._lane_chunks: dict[tuple, int] = {}  # (lane tenant, full budget) -> capped prompt tokens per iteration
         self.configured = set(self.tenants_by_name)
         self.p = settings.prefix
         self.worker_id = instance_id(f"worker-{device.id}")
@@ -141,41 +137,16 @@ class WorkerService:
         return self.lease_agent.step() if self.lease_agent is not None else self.engine.step()
 
     def _lane_step(self, eng):
-        """A guest-lane iteration holds the device like home work, so leased segments never run concurrently.
-        While the home tenant has work its prompt chunk is capped (:meth:`_lane_chunk`)."""
+        """A guest-lane iteration holds the device like home work, so leased segments never run concurrently."""
         lock = getattr(self.lease_agent, "lock", None)
-        full = eng.max_batch_tokens
-        if self.engine.has_work():
-            eng.max_batch_tokens = self._lane_chunk(eng, full)
-        try:
-            if lock is None:
+        if lock is None:
+            res = eng.step()
+        else:
+            with lock.home():
                 res = eng.step()
-            else:
-                with lock.home():
-                    res = eng.step()
-        finally:
-            eng.max_batch_tokens = full
         if self.lanes is not None and self.lanes.hands_back(eng):
             self.handoffs.pause_first_tokens(eng, res.events)
         return res
-
-    def _lane_chunk(self, eng, full: int) -> int:
-        """A lane iteration's prompt-token budget while the home tenant has work: what the lane tenant's cost model
-        on this device puts within :data:`LANE_STEP_FRACTION` × the home tenant's TPOT target (``full`` without a
-        profile for this device's kind)."""
-        tenant = next((ln.tenant for ln in self.lanes.lanes.values() if ln.engine is eng), None)
-        key = (tenant, full)
-        n = self._lane_chunks.get(key)
-        if n is None:
-            spec = self.tenants_by_name.get(tenant)
-            try:
-                cost = cost_for(spec.model.config, self.device.kind) if spec is not None else None
-            except ConfigError:
-                cost = None
-            n = full if cost is None else lane_chunk_tokens(
-                cost, LANE_STEP_FRACTION * self.tenant.sla.tpot_ms / 1e3, full)
-            self._lane_chunks[key] = n
-        return n
 
     def _health_extra(self) -> dict:
         # ``tenant``: the GMG's start-up reconciliation refuses to remove the state of a tenant a live worker serves

@@ -67,3 +67,12 @@ def test_an_ended_lease_keeps_its_share_until_its_sequences_finish(monkeypatch):
     guest.work = False  # done: the ended lease is forgotten
     gl.next_engine(home)
     assert lane.share() == 0.0 and not lane.draining
+
+
+def test_accepting_names_the_lanes_that_take_new_sequences():
+    gl = GuestLanes({}, factory=lambda t, n: None, kv_blocks_for=lambda t: 0)
+    gl.lanes["tb"] = Lane("tb", engine=_Eng(False), leases={"l1": SimpleNamespace(share=0.5)})
+    gl.lanes["tc"] = Lane("tc", engine=None, leases={"l2": SimpleNamespace(share=0.5)})  # not staged yet
+    assert gl.accepting() == frozenset({"tb"})
+    gl.on_revoked(SimpleNamespace(tenant="tb", lease_id="l1"))
+    assert gl.accepting() == frozenset()

@@ -1,0 +1,85 @@
+"""When a hand-off's two sides touch the compute thread (services/worker/handoff.py): the guest exports a sequence
+right after the step that gave its first token, so sending it never waits for the lane's next step; the home
+resumes a received sequence without a compute-thread round trip, so it joins the home's next step."""
+from types import SimpleNamespace
+
+import pytest
+
+from services.worker.handoff import HandOffs
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.paused, self.exports = set(), []
+
+    def pause(self, rid: str) -> bool:
+        self.paused.add(rid)
+        return True
+
+    def resume(self, rid: str) -> None:
+        self.paused.discard(rid)
+
+    def export_sequence(self, rid: str):
+        self.exports.append(rid)
+        return SimpleNamespace(kv=[], output=[7], computed=10, pending="", generator_state=None, detok=[])
+
+
+def _event(rid: str, completion_tokens: int = 1, finish=None):
+    return SimpleNamespace(request_id=rid, token_ids=[7], completion_tokens=completion_tokens, finish_reason=finish)
+
+
+def test_the_guest_exports_a_sequence_on_the_step_that_gave_its_first_token():
+    eng = _Engine()
+    h = HandOffs(SimpleNamespace(tracker=SimpleNamespace(items={"r1": object(), "r2": object()})))
+    h.pause_first_tokens(eng, [_event("r1"), _event("r2", completion_tokens=2), _event("r3")])
+    assert h.ready == {"r1"} and eng.paused == {"r1"}
+    assert eng.exports == ["r1"]  # on this (compute) thread, before the lane's next step
+    assert set(h._exported) == {"r1"}
+
+
+@pytest.mark.asyncio
+async def test_sending_uses_the_state_exported_with_the_first_token(monkeypatch):
+    eng = _Engine()
+    sent = []
+
+    async def no_compute(fn, *args):  # the compute thread is busy with the lane's next step
+        raise AssertionError(f"send waited for the compute thread: {fn}")
+
+    class _Producer:
+        async def add(self, stream, msg, durable=False):
+            sent.append(msg)
+
+    req = SimpleNamespace(request_id="r1", tenant="ta", prompt_ids=[1] * 10, max_tokens=4)
+    track = SimpleNamespace(req=req, kv_blocks=1, seq=1, started_ts=0.0, first_token_ts=0.0, completion_tokens=1)
+    w = SimpleNamespace(tracker=SimpleNamespace(items={"r1": track}), engine_of={"r1": eng}, producer=_Producer(),
+                        redis=None, p="t:", worker_id="w", device=SimpleNamespace(id="g0"))
+    h = HandOffs(w)
+    h._on_compute = no_compute
+    h.pause_first_tokens(eng, [_event("r1")])
+    eng.blocks_needed = lambda n, m: 1
+    eng.kv_bytes_per_block = 1
+
+    async def home_for(req, need):
+        return "h0"
+
+    h._home_for = home_for
+    steps = []
+
+    async def handoff_step(redis, p, rid, op, *args):
+        steps.append(op)
+        return True  # begin: this guest owns the request; abort: no reply came, the guest gives up and keeps it
+
+    monkeypatch.setattr("services.worker.handoff.handoff_step", handoff_step)
+    monkeypatch.setattr("services.worker.handoff.HANDOFF_TIMEOUT_S", 0.01)
+    resumed = []
+
+    async def resume(eng_, rid, reason):
+        resumed.append((rid, reason))
+
+    h._resume = resume
+    await h.send("r1")
+    assert eng.exports == ["r1"], resumed  # exported once, with the first token
+    assert resumed == [("r1", "timeout")], resumed
+    assert len(sent) == 1 and sent[0].request.request_id == "r1" and sent[0].computed == 10
+    assert steps == ["begin", "abort"] and resumed == [("r1", "timeout")]
+    assert not h._exported

@@ -130,6 +130,7 @@ class GMGCore:
         dev.running.add(m.request_id)
         b = self.batch().hset(self.keys.requests(m.device), {m.request_id: f"{m.tenant}|running|{m.ts:.6f}"})
         b.hset(self.keys.exec_state(m.device), {"last_started_ts": f"{m.ts:.6f}"})
+        b.hset(self.keys.device(m.device), {"requests": len(dev.running)})
         b.add("hincrby", self.keys.exec_state(m.device), "started_total", 1)
         return "request_started", b
 
@@ -141,6 +142,7 @@ class GMGCore:
             self._finished.popitem(last=False)
         dev.running.discard(m.request_id)
         b = self.batch().add("hdel", self.keys.requests(m.device), m.request_id)
+        b.hset(self.keys.device(m.device), {"requests": len(dev.running)})
         b.add("zadd", self.keys.finished(m.device), f"{m.ts:.6f}", f"{m.request_id}|{m.tenant}|{m.outcome}")
         b.add("zremrangebyscore", self.keys.finished(m.device), "-inf", f"{m.ts - self.finished_keep_s:.6f}")
         b.hset(self.keys.exec_state(m.device), {"last_finished_ts": f"{m.ts:.6f}"})
@@ -156,6 +158,9 @@ class GMGCore:
             src.running.discard(m.request_id)
         dev.running.add(m.request_id)
         b = self.batch().add("hdel", self.keys.requests(m.from_device), m.request_id)
+        b.hset(self.keys.device(m.device), {"requests": len(dev.running)})
+        if src is not None:
+            b.hset(self.keys.device(m.from_device), {"requests": len(src.running)})
         b.hset(self.keys.requests(m.device), {m.request_id: f"{m.tenant}|running|{m.ts:.6f}"})
         b.add("hincrby", self.keys.exec_state(m.device), "moved_in_total", 1)
         return "request_moved", b

@@ -207,7 +207,9 @@ class HandOffs:
                      need: int) -> str | None:
         """The simulator's ``LeaseBook._fill_target`` on the GMG's device rows (``shared/handback.py``): another
         ready device of the container when ``home``'s step, predicted from its heartbeat (``running``, ``kv_used``,
-        ``prefill_tokens``) with this sequence added, is past ``HANDBACK_FILL`` × the request's TPOT target; of
+        ``prefill_tokens``; with the GMG's live count of its requests, ``requests``, when that is larger: every
+        guest of a burst would otherwise hand its sequences to the device whose heartbeat is oldest news, for up
+        to 0.5 s) with this sequence added, is past ``HANDBACK_FILL`` × the request's TPOT target; of
         those with room for the KV, the one whose step is the longest still within it. None when the home is within
         it, no other device is, or the tenant's cost model has no profile for a device's kind."""
         spec = self.w.tenants_by_name.get(req.tenant)
@@ -224,8 +226,12 @@ class HandOffs:
                 cost = cost_for(cfg, row.get("kind", ""))
             except ConfigError:
                 return None
-            return step_with(cost, int(row.get("running") or 0), int(row.get("kv_used") or 0) // per_token, prompt,
-                             int(row.get("prefill_tokens") or 0), budget)
+            running, context = int(row.get("running") or 0), int(row.get("kv_used") or 0) // per_token
+            live = int(row.get("requests") or 0)
+            if live > running:  # started or handed over since its heartbeat: each a sequence about this one's size
+                context += (live - running) * (prompt + 1)
+                running = live
+            return step_with(cost, running, context, prompt, int(row.get("prefill_tokens") or 0), budget)
 
         if home is not None:
             s = step(rows.get(home, {}))

@@ -60,3 +60,23 @@ def test_step_reports_accumulate_once_and_trim_busy():
     ex = mirror[K.exec_state("d0")]
     assert ex["steps_total"] == "6" and float(ex["busy_ms_total"]) == 300.0
     assert list(mirror[K.busy("d0")].values()) == [11.9]  # intervals ending before 12.0 - 1.0 were trimmed
+
+
+def test_a_devices_row_counts_its_requests_as_they_start_move_and_finish():
+    from shared.messages import RequestFinished, RequestMoved, RequestStarted
+    core, mirror = GMGCore(K, ["d0", "d1"]), {}
+
+    def started(rid: str, dev: str) -> RequestStarted:
+        return RequestStarted(msg_id=f"s{rid}", request_id=rid, tenant="a", device=dev, ts=1.0)
+
+    for rid, dev in (("r1", "d0"), ("r2", "d0"), ("r3", "d1")):
+        _apply(mirror, core.on_event(started(rid, dev), now=1.0))
+    assert mirror[K.device("d0")]["requests"] == "2" and mirror[K.device("d1")]["requests"] == "1"
+    assert core.on_event(started("r1", "d0"), now=1.0) is None  # a redelivery counts once
+    _apply(mirror, core.on_event(RequestMoved(msg_id="m", request_id="r3", tenant="a", from_device="d1", device="d0",
+                                              worker_id="w", kv_blocks=1, ts=2.0), now=2.0))
+    assert mirror[K.device("d0")]["requests"] == "3" and mirror[K.device("d1")]["requests"] == "0"
+    _apply(mirror, core.on_event(RequestFinished(msg_id="f", request_id="r1", tenant="a", device="d0",
+                                                 outcome="stop", prompt_tokens=1, completion_tokens=1, kv_blocks=1,
+                                                 ts=3.0), now=3.0))
+    assert mirror[K.device("d0")]["requests"] == "2"

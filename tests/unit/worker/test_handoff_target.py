@@ -76,5 +76,13 @@ def test_the_worker_fills_another_device_of_the_container_once_the_homes_step_wo
     assert _target({"e0": _row(32, prefill=2000), "e1": _row(8)}) == "e1"
 
 
+def test_the_worker_counts_the_sequences_a_home_took_since_its_heartbeat():
+    """The GMG's live ``requests`` count (starts and hand-offs as they happen) over a heartbeat's ``running``: a home
+    whose last heartbeat showed 8 sequences but which has taken 120 more since is past the bound."""
+    assert _target({"e0": _row(8), "e1": _row(8)}) is None
+    assert _target({"e0": {**_row(8), "requests": "128"}, "e1": _row(8)}) == "e1"
+    assert _target({"e0": {**_row(8), "requests": "4"}, "e1": _row(8)}) is None  # fewer: the heartbeat's own
+
+
 def test_a_device_kind_without_a_profile_leaves_the_rule_before():
     assert _target({"e0": {**_row(64), "kind": "no-such-kind"}, "e1": _row(8)}) is None

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from bench.results.anatomy import anatomy_section, load_anatomies
 from bench.results.checks import bound_below, emulated_checks, real_checks, sim_checks, sim_summary_checks
+from shared.sim.metrics import MIN_TENANT_REQUESTS
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SIM_ORDER = ("azure-16mix-a0.7", "azure-16mix-a1.3", "azure-16mix-a2.1", "servegen-16mix")
@@ -154,8 +155,11 @@ def tenant_table(res: Mapping[str, Any], policies: tuple[str, ...] = ("container
                     tenants.append(t)
     if not tenants:
         return []
-    lines = ["Per tenant, violations at each policy's ≤ 9% point (seeds " + ", ".join(seeds) + "; requests there "
-             "in brackets for the first seed):", "",
+    runs = ("the workload file's own arrivals, one replay per point" if seeds in (["None"], [None]) else
+            "seeds " + ", ".join(map(str, seeds)))
+    first = " for the first seed" if len(seeds) > 1 else ""
+    lines = [f"Per tenant, violations at each policy's ≤ 9% point ({runs}; requests there in brackets{first}). A tenant with fewer than {MIN_TENANT_REQUESTS} requests at a point counts in the aggregate only "
+             "(the table's worst-tenant column skips it):", "",
              "| tenant | " + " | ".join(f"{p} ≤9%" for p in names) + " |", "|---|" + "---:|" * len(names)]
     for t in tenants:
         cells = []

@@ -510,11 +510,24 @@ class WorkerService:
             except REDIS_ERRORS as e:
                 log.warning("heartbeat_failed", error=repr(e))
 
-    def _lane_status(self) -> list:
+    def _pending_adds(self) -> tuple[dict, dict]:
+        """Requests assigned here and not yet added to an engine: (None: the home's, lane tenant: its lane's)."""
+        out: dict = {}
+        for kind, msg in self.pending_ops:
+            if kind == "add":
+                r = msg.request
+                out.setdefault(None if r.tenant == self.tenant.name else r.tenant, []).append(r)
+        return out, {t: v for t, v in out.items() if t is not None}
+
+    def _lane_status(self, pending: dict | None = None) -> list:
+        """Each lane's (tenant, outstanding, prompt tokens queued, accepting), with the requests assigned to it that
+        its engine has not taken yet."""
         if self.lanes is None:
             return []
         self._lanes_reported = self.lanes.accepting()
-        return self.lanes.status()
+        pending = pending or {}
+        return [(t, n + len(pending.get(t, ())), q + sum(len(r.prompt_ids) for r in pending.get(t, ())), acc)
+                for t, n, q, acc in self.lanes.status()]
 
     async def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -526,14 +539,21 @@ class WorkerService:
         backlog, prefilling = e.prefill_backlog()
         arrivals = [t.req.arrival_ts for t in map(self.tracker.items.get, prefilling)
                     if t is not None and t.req.arrival_ts > 0]
+        # requests assigned here that the engine has not taken yet (they wait in pending_ops while a step runs): the
+        # scheduler forgets its own placements older than this heartbeat, so they must be in it
+        pending, lane_pending = self._pending_adds()
+        home_pending = pending.get(None, [])
+        backlog += sum(len(r.prompt_ids) for r in home_pending)
+        arrivals += [r.arrival_ts for r in home_pending if r.arrival_ts > 0]
         hb = WorkerHeartbeat(msg_id=uuid.uuid4().hex, device=self.device.id, worker_id=self.worker_id,
                              backend=self.device.backend, home_tenant=self.tenant.name, ts=time.time(),
                              state="draining" if self.shell.stop.is_set() else "ready",
                              capacity_bytes=self.device.memory_bytes, weight_bytes=e.weight_bytes,
                              kv_used_bytes=kv_used, kv_total_bytes=e.kv_blocks_total * e.kv_bytes_per_block,
-                             running=len(e.running_ids()), queued=len(e.waiting_ids()), busy_ratio=min(1.0, busy),
+                             running=len(e.running_ids()), queued=len(e.waiting_ids()) + len(home_pending),
+                             busy_ratio=min(1.0, busy),
                              queued_prefill_tokens=backlog, prefill_oldest_ts=min(arrivals, default=0.0),
-                             guest_lanes=self._lane_status(),
+                             guest_lanes=self._lane_status(lane_pending),
                              guest_share=self.lanes.share() if self.lanes is not None else 0.0)
         items = [(events_stream(self.p), hb)]
         if self.lease_agent is not None:

@@ -1,0 +1,71 @@
+"""A worker's heartbeat counts the requests assigned to it that its engine has not taken yet (they wait in
+``pending_ops`` while a step runs): the scheduler forgets its own placements older than a heartbeat, so a heartbeat
+that left them out made a device in a long step look empty to the routing."""
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from services.worker.service import WorkerService
+
+
+class _Metric:
+    def labels(self, *a):
+        return self
+
+    def set(self, v):
+        pass
+
+
+class _Engine:
+    kv_blocks_total, kv_blocks_free, kv_bytes_per_block, weight_bytes = 10, 10, 1, 0
+
+    def prefill_backlog(self):
+        return 100, []  # 100 prompt tokens of a sequence already in the engine
+
+    def running_ids(self):
+        return ["r0"]
+
+    def waiting_ids(self):
+        return []
+
+
+def _assign(rid: str, tenant: str, n: int, arrival: float):
+    return ("add", SimpleNamespace(request=SimpleNamespace(request_id=rid, tenant=tenant, prompt_ids=[1] * n,
+                                                          arrival_ts=arrival)))
+
+
+class _Lanes:
+    def accepting(self):
+        return frozenset({"tb"})
+
+    def status(self):
+        return [("tb", 1, 50, True)]
+
+    def share(self):
+        return 0.5
+
+
+@pytest.mark.asyncio
+async def test_the_heartbeat_counts_requests_waiting_for_the_engine():
+    sent = []
+
+    class _Producer:
+        async def add_many(self, items, maxlen=None):
+            sent.extend(m for _, m in items)
+
+    w = SimpleNamespace(
+        engine=_Engine(), tracker=SimpleNamespace(items={}), _agg_lock=threading.Lock(), _busy_s=0.0, _busy_mark=0.0,
+        pending_ops=[_assign("r1", "ta", 256, 5.0), _assign("r2", "ta", 64, 7.0), _assign("r3", "tb", 30, 6.0),
+                     ("cancel", SimpleNamespace(request_id="r9"))],
+        tenant=SimpleNamespace(name="ta"), device=SimpleNamespace(id="d0", backend="cpu", memory_bytes=100),
+        worker_id="w", shell=SimpleNamespace(stop=asyncio.Event()), lanes=_Lanes(), lease_agent=None,
+        agg=SimpleNamespace(flush=lambda kv: None), producer=_Producer(), p="t:", m_busy=_Metric(), m_mem=_Metric())
+    w._pending_adds = lambda: WorkerService._pending_adds(w)
+    w._lane_status = lambda pending=None: WorkerService._lane_status(w, pending)
+    await WorkerService._heartbeat(w)
+    hb = sent[0]
+    assert hb.queued == 2 and hb.queued_prefill_tokens == 100 + 256 + 64
+    assert hb.prefill_oldest_ts == 5.0
+    assert list(hb.guest_lanes[0]) == ["tb", 2, 80, True]  # the lane's own backlog and the request assigned to it

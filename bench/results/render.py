@@ -158,8 +158,9 @@ def tenant_table(res: Mapping[str, Any], policies: tuple[str, ...] = ("container
     runs = ("the workload file's own arrivals, one replay per point" if seeds in (["None"], [None]) else
             "seeds " + ", ".join(map(str, seeds)))
     first = " for the first seed" if len(seeds) > 1 else ""
-    lines = [f"Per tenant, violations at each policy's ≤ 9% point ({runs}; requests there in brackets{first}). A tenant with fewer than {MIN_TENANT_REQUESTS} requests at a point counts in the aggregate only "
-             "(the table's worst-tenant column skips it):", "",
+    lines = [f"Per tenant, violations at each policy's ≤ 9% point ({runs}; requests there in brackets{first}). "
+             f"A tenant with fewer than {MIN_TENANT_REQUESTS} requests at a point counts in the aggregate only (the "
+             "table's worst-tenant column skips it):", "",
              "| tenant | " + " | ".join(f"{p} ≤9%" for p in names) + " |", "|---|" + "---:|" * len(names)]
     for t in tenants:
         cells = []

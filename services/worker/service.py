@@ -510,14 +510,15 @@ class WorkerService:
             except REDIS_ERRORS as e:
                 log.warning("heartbeat_failed", error=repr(e))
 
-    def _pending_adds(self) -> tuple[dict, dict]:
-        """Requests assigned here and not yet added to an engine: (None: the home's, lane tenant: its lane's)."""
+    def _pending_adds(self) -> dict:
+        """Requests assigned here and not yet added to an engine, by engine: None for the home's, the lane's tenant
+        for a lane's."""
         out: dict = {}
         for kind, msg in self.pending_ops:
             if kind == "add":
                 r = msg.request
                 out.setdefault(None if r.tenant == self.tenant.name else r.tenant, []).append(r)
-        return out, {t: v for t, v in out.items() if t is not None}
+        return out
 
     def _lane_status(self, pending: dict | None = None) -> list:
         """Each lane's (tenant, outstanding, prompt tokens queued, accepting), with the requests assigned to it that
@@ -541,7 +542,7 @@ class WorkerService:
                     if t is not None and t.req.arrival_ts > 0]
         # requests assigned here that the engine has not taken yet (they wait in pending_ops while a step runs): the
         # scheduler forgets its own placements older than this heartbeat, so they must be in it
-        pending, lane_pending = self._pending_adds()
+        pending = self._pending_adds()
         home_pending = pending.get(None, [])
         backlog += sum(len(r.prompt_ids) for r in home_pending)
         arrivals += [r.arrival_ts for r in home_pending if r.arrival_ts > 0]
@@ -553,7 +554,7 @@ class WorkerService:
                              running=len(e.running_ids()), queued=len(e.waiting_ids()) + len(home_pending),
                              busy_ratio=min(1.0, busy),
                              queued_prefill_tokens=backlog, prefill_oldest_ts=min(arrivals, default=0.0),
-                             guest_lanes=self._lane_status(lane_pending),
+                             guest_lanes=self._lane_status(pending),
                              guest_share=self.lanes.share() if self.lanes is not None else 0.0)
         items = [(events_stream(self.p), hb)]
         if self.lease_agent is not None:

@@ -103,19 +103,28 @@ class AssignedTable(dict):
     aggregates (per device: how many and their context estimate; per tenant: how many) kept on every change,
     so that a snapshot or a device refresh does not scan every placement."""
 
-    def __init__(self) -> None:
+    def __init__(self, home_of: dict[str, str] | None = None) -> None:
         super().__init__()
         self.per_device: dict[str, int] = {}
         self.ctx: dict[str, int] = {}  # device -> sum of prompt + max_tokens // 2 (decode context estimate)
         self.per_tenant: dict[str, int] = {}
+        # with ``home_of`` (device -> home tenant): the same two per device for its home tenant's requests only (a
+        # guest's lane requests are not its own tenant's batch; the simulator's snapshot counts them apart too)
+        self.home_of = home_of
+        self.own: dict[str, int] = {}
+        self.own_ctx: dict[str, int] = {}
         self.changed: set[str] = set()  # devices whose aggregates changed (the snapshot builder clears it)
 
     def _add(self, a: tuple, k: int) -> None:
         dev, req = a[0], a[1]
         self.changed.add(dev)
+        ctx = len(req.prompt_ids) + req.max_tokens // 2
         self.per_device[dev] = self.per_device.get(dev, 0) + k
-        self.ctx[dev] = self.ctx.get(dev, 0) + k * (len(req.prompt_ids) + req.max_tokens // 2)
+        self.ctx[dev] = self.ctx.get(dev, 0) + k * ctx
         self.per_tenant[req.tenant] = self.per_tenant.get(req.tenant, 0) + k
+        if self.home_of is not None and self.home_of.get(dev) == req.tenant:
+            self.own[dev] = self.own.get(dev, 0) + k
+            self.own_ctx[dev] = self.own_ctx.get(dev, 0) + k * ctx
 
     def __setitem__(self, rid: str, a: tuple) -> None:
         old = self.get(rid)

@@ -94,7 +94,9 @@ class SnapshotBuilder:
 
     def build(self, now: float, views: dict[str, DeviceView], rows: dict[str, dict[str, str]],
               assigned: dict[str, tuple], leases: dict[str, LeaseState]) -> ClusterSnapshot:
-        per_dev_ctx: dict[str, int] | None = getattr(assigned, "ctx", None)  # an AssignedTable keeps them
+        # an AssignedTable keeps them; with its homes known, a device's own tenant's alone (not its lanes' requests)
+        own: dict[str, int] | None = getattr(assigned, "own", None) if getattr(assigned, "home_of", None) else None
+        per_dev_ctx: dict[str, int] | None = getattr(assigned, "own_ctx" if own is not None else "ctx", None)
         running_of: dict[str, int] | None = getattr(assigned, "per_tenant", None)
         if per_dev_ctx is None or running_of is None:
             per_dev_ctx, running_of = {}, {}
@@ -131,7 +133,7 @@ class SnapshotBuilder:
                 qn, q_oldest, q_tokens, n_home = 0, math.inf, 0, 1
             if v is not None:
                 w_queued, w_prefill, w_oldest = v.backlog()
-                v_assigned = v.assigned
+                v_assigned = own.get(did, 0) if own is not None else v.assigned
                 running = row_running if row_running is not None else v_assigned
                 f = (headroom, used, evictable, qn // n_home + w_queued, max(running, v_assigned),
                      q_tokens // n_home + w_prefill, per_dev_ctx.get(did, 0), min(q_oldest, w_oldest),

@@ -66,3 +66,32 @@ def test_cluster_policy_parameters_and_their_override():
         load_live_policy("slice", '{"nope": 1}', base)
     with pytest.raises(ConfigError, match="policies.slice"):
         parse_cluster({"devices": [{"id": "c", "backend": "cpu", "memory_gb": 1}], "policies": {"slice": 3}}, "x.yaml")
+
+
+def test_a_guests_lane_requests_are_not_its_own_tenants_batch():
+    """The simulator's snapshot counts a device's own tenant's requests in ``running`` and ``decode_kv_tokens`` and
+    its lanes' in ``guest_engines``; the live one does the same with the assigned table's per-home counts."""
+    from services.scheduler.core import AssignedTable
+    from shared.messages import InferenceRequest
+    cluster = load_cluster(REPO_CONFIGS / "cluster-tiny.yaml")
+    tenants = load_tenants(REPO_CONFIGS / "tenants-tiny.yaml", cluster)
+    core = SchedulerCore(cluster, tenants, load_live_policy("container"))
+    home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
+    own, guest = home_of["cpu1"], next(t.name for t in tenants.tenants if "cpu1" not in t.home_devices)
+    assigned = AssignedTable(home_of)
+
+    def req(rid: str, tenant: str) -> InferenceRequest:
+        return InferenceRequest(msg_id=rid, request_id=rid, tenant=tenant, gateway="g", prompt_ids=[1] * 100,
+                                max_tokens=20)
+
+    assigned["a"] = ("cpu1", req("a", guest), "w")  # a lane request on cpu1
+    views = {d.id: DeviceView(d.id, True, 10**9, 0) for d in cluster.devices}
+    for did, v in views.items():
+        v.assigned = assigned.per_device.get(did, 0)
+    snap = SnapshotBuilder(cluster, tenants, core).build(101.0, views, {}, assigned, {})
+    d1 = snap.devices["cpu1"]
+    assert (d1.running, d1.decode_kv_tokens, bool(d1.busy)) == (0, 0, False)
+    assigned["b"] = ("cpu1", req("b", own), "w")  # one of its own
+    snap = SnapshotBuilder(cluster, tenants, core).build(102.0, views, {}, assigned, {})
+    d1 = snap.devices["cpu1"]
+    assert (d1.running, d1.decode_kv_tokens) == (1, 110) and d1.busy

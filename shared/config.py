@@ -158,6 +158,10 @@ class TenantsConfig:
     def names(self) -> list[str]:
         return [t.name for t in self.tenants]
 
+    def home_of(self) -> dict[str, str]:
+        """Device id -> the name of the tenant at home there."""
+        return {d: t.name for t in self.tenants for d in t.home_devices}
+
 
 def hash_api_key(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()

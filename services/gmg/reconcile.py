@@ -66,7 +66,7 @@ class Desired:
     def from_config(cls, cluster: ClusterConfig, tenants: TenantsConfig) -> "Desired":
         return cls(devices=frozenset(d.id for d in cluster.devices),
                    homes={t.name: tuple(t.home_devices) for t in tenants.tenants},
-                   home_of={d: t.name for t in tenants.tenants for d in t.home_devices},
+                   home_of=tenants.home_of(),
                    segments={t.name: _segments(t.model.config) for t in tenants.tenants},
                    model_ids={t.name: model_id(t.model) for t in tenants.tenants},
                    weight_bytes={t.name: t.model.config.weight_bytes() for t in tenants.tenants},

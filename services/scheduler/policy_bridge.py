@@ -42,7 +42,7 @@ class SnapshotBuilder:
         self.cluster, self.tenants, self.core = cluster, tenants, core
         start = time.time()
         self.rates = {t.name: ArrivalStats(start=start) for t in tenants.tenants}
-        self.home_of = {d: t.name for t in tenants.tenants for d in t.home_devices}
+        self.home_of = tenants.home_of()
         self.n_home = {t.name: max(1, len(t.home_devices)) for t in tenants.tenants}
         self._parsed: dict[str, tuple[str, dict]] = {}  # device -> (raw "resident" field, parsed)
         self._rows: dict[str, tuple[dict, tuple]] = {}  # device -> (GMG row, the fields taken from it)

@@ -157,7 +157,7 @@ class GMGStore:
     # ------------------------------------------------------------ registry (GMG service)
     async def register_cluster(self, cluster: ClusterConfig, tenants: TenantsConfig) -> int:
         """Create/refresh device and tenant hashes, model graphs and home residency; keeps live device fields."""
-        homes = {d: t.name for t in tenants.tenants for d in t.home_devices}
+        homes = tenants.home_of()
         existing = await self.devices()
         b = self.batch()
         for d in cluster.devices:

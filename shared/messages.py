@@ -180,7 +180,8 @@ class WorkerHeartbeat(Msg, frozen=True, kw_only=True):
     busy_ratio: float = 0.0  # since the previous heartbeat
     # guest lanes ("sequences" leases): (tenant, outstanding, queued prompt tokens, accepting)
     guest_lanes: list[tuple[str, int, int, bool]] = []
-    guest_share: float = 0.0  # share of this device's time the lanes may take while the home tenant has work
+    guest_share: float = 0.0  # share of this device's time the lanes get now while the home tenant has work (0
+    #   while it has prompts to prefill; else its TPOT slack within the leases' shares: shared/guest_share.py)
 
 
 class StepReport(Msg, frozen=True, kw_only=True):

@@ -9,12 +9,13 @@ with the most free memory (another device of the tenant's container when that on
 sequence would pass the fill bound of ``shared/handback.py``, or when it has no room for the KV) and puts a
 :class:`HandOff` on its stream.
 
-Home, :meth:`HandOffs.receive` (a task beside the stream handler, so that the fetch holds up no other entry):
-reserves the sequence's KV in the GMG, fetches the KV from the guest (emulated devices wait the link's time
-instead), imports the sequence paused, then commits in the journey hash (worker and device change, only while the
-guest's token is still there); then it tracks the request (its ``HandOff`` entry is acked when the request ends, as
-an ``AssignRequest`` is), publishes :class:`RequestMoved` (the scheduler moves its record and releases the guest's
-KV reservation) and answers :class:`HandOffReply`. A cancel arriving meanwhile is applied after the commit.
+Home, :meth:`HandOffs.receive` (a task beside the stream handler, so that the fetch holds up no other entry): reserves
+the sequence's KV in the GMG (evicting cached staged weights of other tenants that no lease pins, when they are what
+stands in the way), fetches the KV from the guest (emulated devices wait the link's time instead), imports the sequence
+paused, then commits in the journey hash (worker and device change, only while the guest's token is still there); then
+it tracks the request (its ``HandOff`` entry is acked when the request ends, as an ``AssignRequest`` is), publishes
+:class:`RequestMoved` (the scheduler moves its record and releases the guest's KV reservation) and answers
+:class:`HandOffReply`. A cancel arriving meanwhile is applied after the commit.
 
 Guest again: on ``ok`` it drops its copy and acks the request's ``AssignRequest``; on a refusal or no answer in
 ``HANDOFF_TIMEOUT_S`` it gives up in the journey hash (clears its token) and resumes the sequence where it paused.
@@ -39,7 +40,7 @@ from services.worker.segment_wire import FrameError, KVQuery, KVTensor, wire_dty
 from shared.config_error import ConfigError
 from shared.costmodel import cost_for
 from shared.costmodel.sla import request_targets
-from shared.gmg import Refused, Reservation
+from shared.gmg import Refused, Reservation, Room
 from shared.handback import HANDBACK_FILL, best_fit, step_with
 from shared.messages import (CancelAssigned, HandOff, HandOffReply, InferenceRequest, RequestMoved, events_stream,
                              worker_stream)
@@ -129,6 +130,18 @@ class _Sending:
     reply: asyncio.Future
 
 
+@dataclass
+class _Joining:
+    """A received sequence waiting for the step boundary where it joins the home's batch (:meth:`HandOffs.join`);
+    ``done`` gets "ok" or the reason it was refused."""
+
+    msg: HandOff
+    state: SequenceState
+    entry_id: str
+    nblocks: int
+    done: asyncio.Future
+
+
 class HandOffs:
     """Both roles of the hand-off for one worker service."""
 
@@ -183,8 +196,8 @@ class HandOffs:
         homes = {m.home_device for m in leases} - {self.w.device.id}
         rows = await self.w.gmg.devices()
 
-        def best_of(ids) -> tuple[str | None, int]:
-            best, room = None, 0
+        def best_of(ids) -> tuple[str | None, int]:  # a full one too: its reservation may evict cached weights
+            best, room = None, -1
             for d in sorted(ids):
                 r = rows.get(d, {})
                 free = _unreserved(r)
@@ -377,6 +390,24 @@ class HandOffs:
             self._receiving.pop(rid, None)
             self._cancels.pop(rid, None)
 
+    def _room(self) -> Room:
+        """What the KV reservation of a received sequence may evict to fit: weights other tenants' leases staged
+        here that no lease pins now, least recently used first by this worker's cache (the scheduler's placements
+        make room the same way, and so does the simulator's hand-back): cached weights are reclaimable memory, and
+        a refused hand-off leaves the sequence decoding on the lane at the guest's share."""
+        agent = self.w.lease_agent
+        weights, guest = getattr(agent, "weights", None), getattr(agent, "guest", None)
+        order = weights.evictable(guest.pinned() if guest is not None else set()) if weights is not None else []
+        return Room(self.w.device.id, (), {f"{t}|{s}": float(i + 1) for i, (t, s, _) in enumerate(order)})
+
+    def _dropped(self, evicted) -> None:
+        """Free this worker's copy of the staged weights a reservation evicted in the GMG."""
+        weights = getattr(self.w.lease_agent, "weights", None)
+        for device, tenant, seg, nbytes in evicted:
+            if weights is not None and device == self.w.device.id:
+                weights.drop(tenant, seg)
+            log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=nbytes, by="handoff")
+
     async def _take(self, entry_id: str, msg: HandOff) -> bool:
         """Reserve, fetch, import and commit ``msg``'s sequence; False when refused (the guest was told)."""
         w, r = self.w, msg.request
@@ -386,28 +417,29 @@ class HandOffs:
         eng = w.engine
         nblocks = eng.blocks_needed(len(r.prompt_ids), r.max_tokens)
         owner = f"kv:{rid}"
-        res = await w.gmg.reserve([Reservation(w.device.id, owner, "kv", r.tenant, nblocks * eng.kv_bytes_per_block)])
+        res = await w.gmg.commit_making_room(
+            "reserve", [Reservation(w.device.id, owner, "kv", r.tenant, nblocks * eng.kv_bytes_per_block)],
+            [self._room()])
         if isinstance(res, Refused) and res.reason != "duplicate":
             return await self._refuse(msg, f"memory: {res.reason}")
+        if not isinstance(res, Refused):
+            self._dropped(res.evicted)
         try:
             kv = await w.lease_agent.fetch_kv(msg.from_device, KVQuery(request_id=rid, token=msg.token,
                                                                        home_device=w.device.id), msg) \
                 if w.lease_agent is not None else []
             state = self._state(msg, kv)
-            await self._on_compute(self._import_paused, state)
         except (OSError, FrameError, TimeoutError, RuntimeError, ValueError) as e:
             await w.gmg.release(w.device.id, owner)
             return await self._refuse(msg, f"import: {e}")
-        if not await handoff_step(w.redis, w.p, rid, "commit", msg.token, w.worker_id, w.device.id,
-                                  f"{time.time():.6f}"):
-            await self._on_compute(eng.cancel, rid)
+        # import, commit and resume at the next step boundary, so that the sequence runs in the very next step
+        j = _Joining(msg, state, entry_id, nblocks, asyncio.get_running_loop().create_future())
+        w.pending_ops.append(("handoff", j))
+        w.wake.set()
+        outcome = await j.done
+        if outcome != "ok":
             await w.gmg.release(w.device.id, owner)
-            return await self._refuse(msg, "given_up")
-        t = w.tracker.add(r, entry_id, nblocks)
-        t.seq, t.started_ts, t.first_token_ts = msg.seq, msg.started_ts, msg.first_token_ts
-        t.completion_tokens = msg.completion_tokens
-        w.engine_of[rid] = eng
-        self.stats["received"] += 1
+            return await self._refuse(msg, outcome)
         # committed: this worker runs the request now, so what follows must get through Redis trouble
         moved = RequestMoved(msg_id=uuid.uuid4().hex, request_id=rid, tenant=r.tenant, from_device=msg.from_device,
                              device=w.device.id, worker_id=w.worker_id, kv_blocks=nblocks, ts=time.time())
@@ -416,12 +448,45 @@ class HandOffs:
                          request_id=rid)
         await w.retrying(lambda: w.producer.add(worker_stream(w.p, msg.from_device), reply), "handoff_reply_retry",
                          request_id=rid)
-        # not through the compute thread, which may be in a step already: that would hold the sequence out of the
-        # next one too (``_paused`` is only tested for membership while a step is planned)
-        eng.resume(rid)
-        w.wake.set()
         log.info("handoff_received", request_id=rid, guest=msg.from_device, kv_layers=len(state.kv))
         return True
+
+    async def join(self, j: _Joining) -> None:
+        """Serve loop, between two steps (the compute thread is idle): import ``j``'s sequence, commit in the
+        journey hash (only while the guest's token is still there) and track it, then let it run in the step about
+        to be planned — the simulator's hand-back joins the home's first step after the KV is there. Importing on the
+        compute thread and resuming after the commit held a sequence out of one or two more home steps (0.13 s
+        median on the emulated mesh's burst). The outcome ("ok" or why not) goes to the waiting hand-off task."""
+        if j.done.done():  # the waiting task was cancelled (the worker is stopping)
+            return
+        w, r = self.w, j.msg.request
+        rid, eng = r.request_id, w.engine
+        try:
+            self._import_paused(j.state)
+        except (RuntimeError, ValueError) as e:
+            eng.cancel(rid)
+            j.done.set_result(f"import: {e}")
+            return
+        try:
+            committed = await handoff_step(w.redis, w.p, rid, "commit", j.msg.token, w.worker_id, w.device.id,
+                                           f"{time.time():.6f}")
+        except REDIS_ERRORS as e:  # the entry stays pending and is reclaimed; the guest resumes meanwhile
+            eng.cancel(rid)
+            if not j.done.done():
+                j.done.set_exception(e)
+            return
+        if not committed or j.done.done():
+            eng.cancel(rid)
+            if not j.done.done():
+                j.done.set_result("given_up")
+            return
+        t = w.tracker.add(r, j.entry_id, j.nblocks)
+        t.seq, t.started_ts, t.first_token_ts = j.msg.seq, j.msg.started_ts, j.msg.first_token_ts
+        t.completion_tokens = j.msg.completion_tokens
+        w.engine_of[rid] = eng
+        self.stats["received"] += 1
+        eng.resume(rid)
+        j.done.set_result("ok")
 
     async def _release_retrying(self, rid: str) -> None:
         """Drop this worker's KV reservation of a refused hand-off and its imported copy, if any."""
@@ -430,7 +495,7 @@ class HandOffs:
         await w.retrying(lambda: w.gmg.release(w.device.id, f"kv:{rid}"), "handoff_release_retry", request_id=rid)
 
     def _import_paused(self, state: SequenceState) -> None:
-        """Compute thread: the imported sequence waits (paused) until this worker has committed and tracks it."""
+        """The imported sequence waits (paused) until this worker has committed and tracks it."""
         self.w.engine.import_sequence(state)
         self.w.engine.pause(state.request_id)
 

@@ -1,7 +1,9 @@
 """Guest lanes: the second lease mode (DESIGN §4). Under a ``sequences`` lease, new sequences of another tenant are
 placed on this device with their KV here and run whole iterations here, in a guest engine holding that tenant's
-full model (staged from its checkpoint or seed). Home work has priority: while the home tenant has work, lanes
-get at most the leases' ``share`` of the device's time, decided at iteration boundaries. A revoked or expired lease
+full model (staged from its checkpoint or seed). Home work has priority, decided at iteration boundaries by the rule
+the simulator's devices follow (``shared/guest_share.py``): no lane iteration while the home tenant has prompts to
+prefill, never two in a row while it decodes, and otherwise at most the share of the device its TPOT slack spares
+(capped by the leases' ``share``); an idle home leaves the device to the lanes. A revoked or expired lease
 stops new placements; sequences already here finish under its share (their KV and results stay valid), as the
 simulator's draining leases do. Staged engines stay cached for reuse until the device's own tenant needs the
 memory."""
@@ -15,6 +17,7 @@ from typing import Callable
 import structlog
 
 from shared.config import TenantConfig
+from shared.guest_share import LANE_WINDOW_S, MIN_GUEST_SHARE, own_yield
 from shared.messages import LeaseGranted, LeaseRevoked
 
 log = structlog.get_logger()
@@ -52,10 +55,12 @@ class GuestLanes:
     """Guest engines per tenant on one device, and the home-first time sharing between them and the home."""
 
     def __init__(self, tenants: dict[str, TenantConfig], factory: EngineFactory, kv_blocks_for: Callable[[TenantConfig], int],
-                 window_s: float = 1.0) -> None:
+                 window_s: float = LANE_WINDOW_S, tpot_s: float = float("inf")) -> None:
         self.tenants, self.factory, self.kv_blocks_for = tenants, factory, kv_blocks_for
         self.lanes: dict[str, Lane] = {}
         self.window_s = window_s
+        self.tpot_s = tpot_s  # the home tenant's TPOT target (the worker sets it): bounds what its steps yield
+        self._home_step_s = 0.0  # the home's last iteration
         self._guest_time: deque[tuple[float, float]] = deque()  # (end_ts, seconds) of guest iterations
         self._home_time: deque[tuple[float, float]] = deque()
         self._last_guest = False  # the last iteration next_engine chose was a lane's
@@ -89,6 +94,20 @@ class GuestLanes:
             if ended is not None and lane.engine is not None and lane.engine.has_work():
                 lane.draining[msg.lease_id] = ended
 
+    def idle_engines(self) -> list[str]:
+        """Tenants whose lane engine is built but has no lease, no sequence and is not being staged."""
+        return [t for t, ln in self.lanes.items() if ln.engine is not None and not ln.leases and not ln.draining
+                and not ln.staging and not ln.engine.has_work()]
+
+    def drop_evicted(self, resident: set[str]) -> list[str]:
+        """Drop the idle lane engines (:meth:`idle_engines`) whose weights the GMG no longer lists as resident on
+        this device (``tenant|*``): a reservation evicted them as cached weights to fit, so the memory they held is
+        promised to something else. The next lease of that tenant here stages them again."""
+        out = [t for t in self.idle_engines() if f"{t}|*" not in resident]
+        for t in out:
+            self.lanes[t].engine = None
+        return out
+
     # ------------------------------------------------------------ requests
     def engine_for(self, tenant: str):
         lane = self.lanes.get(tenant)
@@ -113,10 +132,27 @@ class GuestLanes:
 
     def record(self, guest: bool, start: float, end: float) -> None:
         (self._guest_time if guest else self._home_time).append((end, end - start))
+        if not guest:
+            self._home_step_s = end - start
+
+    @staticmethod
+    def _prefilling(home) -> bool:
+        """The home engine has prompt tokens waiting or being prefilled."""
+        backlog = getattr(home, "prefill_backlog", None)
+        return backlog is not None and backlog()[0] > 0
+
+    def yield_share(self, home) -> float:
+        """Share of the device the lanes get while the home tenant has work (``shared/guest_share.py``): none while
+        it has prompts to prefill, else what its last iteration's slack against its TPOT target spares, within the
+        leases' shares. What a heartbeat reports as ``guest_share`` (the policy's ``guest_yield``)."""
+        if self._prefilling(home):
+            return 0.0
+        return own_yield(self.share(), self._home_step_s, self.tpot_s)
 
     def next_engine(self, home) -> object | None:
-        """Which engine runs the next iteration: the home unless a lane is owed time (home-first, bounded share),
-        and never two lane iterations in a row while the home has work (a run of them would stall its tokens)."""
+        """Which engine runs the next iteration: the home unless a lane is owed time (home-first: none while the
+        home has prompts to prefill, at most what its TPOT slack yields), and never two lane iterations in a row
+        while the home has work (a run of them would stall its tokens)."""
         eng = self._choose(home)
         self._last_guest = eng is not None and eng is not home
         return eng
@@ -134,14 +170,13 @@ class GuestLanes:
         if not home.has_work():
             lane.last_used = time.monotonic()
             return lane.engine
-        if self._last_guest:
-            return home
+        if self._last_guest or self._prefilling(home):
+            return home  # its tokens (TPOT) and its prompts (TTFT) first
         now = time.time()
         self._trim(now)
         g = sum(s for _, s in self._guest_time)
         h = sum(s for _, s in self._home_time)
-        share = max((x.share() for x in busy), default=0.0) or 0.1  # floor: a lane whose leases all ended
-        if g <= share * (g + h):
+        if g <= max(MIN_GUEST_SHARE, own_yield(self.share(), self._home_step_s, self.tpot_s)) * (g + h):
             lane.last_used = time.monotonic()
             return lane.engine
         return home

@@ -43,6 +43,8 @@ class WorkerService:
                  engine: Engine, *, tenants: TenantsConfig | None = None, lease_options=None, lanes=None) -> None:
         self.s, self.cluster, self.device, self.tenant, self.engine = settings, cluster, device, tenant, engine
         self.lanes = lanes  # GuestLanes for "sequences" leases (services/worker/lanes.py), or None
+        if lanes is not None:
+            lanes.tpot_s = tenant.sla.tpot_ms / 1e3  # what the home's steps may yield is bounded by its TPOT target
         self.engine_of: dict[str, Engine] = {}  # request id -> the engine running it (home or a guest lane)
         self.tenants_by_name = {t.name: t for t in tenants.tenants} if tenants is not None else {tenant.name: tenant}
         self._beat_now = asyncio.Event()  # a lane changed: heartbeat now (_report_lanes)
@@ -58,7 +60,8 @@ class WorkerService:
         self.shell = ServiceShell("worker", device.id, prefix=self.p, redis=self.redis)
         self.tracker = Tracker(device.id)
         self.agg = StepAggregator(device.id, tenant.name)
-        self.pending_ops: list[tuple[str, object]] = []  # ("add", (req, entry_id, blocks)) | ("cancel", (rid, reason))
+        self.pending_ops: list[tuple[str, object]] = []  # ("add", AssignRequest) | ("cancel", CancelAssigned) |
+        #   ("handoff", a received sequence joining the next step)
         self.wake = asyncio.Event()
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{device.id}")
         self.publish_q: asyncio.Queue = asyncio.Queue()  # bounded by _burst (PUBLISH_BACKLOG)
@@ -384,6 +387,8 @@ class WorkerService:
                         ts=time.time()), maxlen=EVENTS_MAXLEN)
                 except REDIS_ERRORS as e:
                     log.warning("request_started_not_published", request_id=r.request_id, error=repr(e))
+            elif kind == "handoff":  # a received sequence joins the next step (services/worker/handoff.py)
+                await self.handoffs.join(msg)
             else:
                 eng = self.engine_of.get(msg.request_id, self.engine)
                 if eng.cancel(msg.request_id) or msg.request_id in self.tracker.items:
@@ -503,12 +508,23 @@ class WorkerService:
             beats += 1
             try:
                 await self._heartbeat()
+                await self._drop_evicted_lanes()
                 if beats % 10 == 0 and not await self.redis.hexists(
                         self.gmg.keys.reservations(self.device.id), f"weights:{self.tenant.name}:home"):
                     log.warning("weights_reservation_missing")  # Redis lost its data: account the weights again
                     await self._reserve_weights()
             except REDIS_ERRORS as e:
                 log.warning("heartbeat_failed", error=repr(e))
+
+    async def _drop_evicted_lanes(self) -> None:
+        """Free the idle lane engines whose cached weights a reservation evicted in the GMG (placements and
+        hand-offs make room that way): the GMG's accounting and this device's memory stay the same."""
+        if self.lanes is None or not self.lanes.idle_engines():
+            return
+        fields = await self.redis.hkeys(self.gmg.keys.resident(self.device.id))
+        resident = {f.decode() if isinstance(f, bytes) else f for f in fields}
+        for t in self.lanes.drop_evicted(resident):
+            log.info("lane_weights_evicted", tenant=t)
 
     def _pending_adds(self) -> dict:
         """Requests assigned here and not yet added to an engine, by engine: None for the home's, the lane's tenant
@@ -555,7 +571,7 @@ class WorkerService:
                              busy_ratio=min(1.0, busy),
                              queued_prefill_tokens=backlog, prefill_oldest_ts=min(arrivals, default=0.0),
                              guest_lanes=self._lane_status(pending),
-                             guest_share=self.lanes.share() if self.lanes is not None else 0.0)
+                             guest_share=self.lanes.yield_share(self.engine) if self.lanes is not None else 0.0)
         items = [(events_stream(self.p), hb)]
         if self.lease_agent is not None:
             for name, rows, ms in self.lease_agent.drain_segment_stats():

@@ -7,13 +7,11 @@ from typing import Callable
 
 from shared.config import DeviceConfig
 from shared.costmodel.profiles import DeviceProfile
+from shared.guest_share import LANE_WINDOW_S, MIN_GUEST_SHARE, YIELD_MARGIN, own_yield
 from shared.sim.anatomy import BusyBins
 from shared.sim.replica import SimReplica
 from shared.sim.sim_lease import ACTIVE, DRAINING, SimLease
 from shared.sim.memory import DeviceMemory
-
-MIN_GUEST_SHARE = 0.02  # a guest lane is paused, not stopped, while the device's own tenant prefills
-LANE_WINDOW_S = 1.0  # exclusive lanes: guest vs own time is balanced over this window (as the worker's GuestLanes)
 
 
 class LaneHistory:
@@ -107,7 +105,7 @@ class SimDevice:
         self.lease: SimLease | None = None  # the lease a guest lane runs under
         self.home_active = False  # lanes: was the parent's own tenant active when the current step was planned
         self.f_dyn = 0.0  # share of this device guests get while its own tenant is active (set every own step)
-        self.yield_margin = 0.8
+        self.yield_margin = YIELD_MARGIN
         # Guest lanes ("sequences" leases) take whole iterations of this device at full speed, one at a time
         # with its own steps, as a worker's compute thread runs them (services/worker/lanes.py); False: the
         # older fluid model, where a lane runs beside the own tenant slowed to its share.
@@ -295,7 +293,7 @@ class SimDevice:
                 t_last = a + c * (k0 + (n - 1) * b)
             else:
                 t_last = dur
-            f = max(0.0, min(sum(x.share for x in running), 0.95, 1.0 - t_last / (self.yield_margin * eng.tpot_s)))
+            f = own_yield(sum(x.share for x in running), t_last, eng.tpot_s, self.yield_margin)
         self.f_dyn = f
         if self.exclusive_lanes:
             f = min(f, self.guest_share("segments"))  # MLP offload still takes a fluid share

@@ -218,16 +218,17 @@ class LeaseBook:
         bound of ``shared/handback.py`` another device of the container within it takes it (:meth:`_fill_target`).
         Otherwise, when that engine is draining or the KV does not fit there, another device of the tenant's
         container takes it: of those whose engine is not draining, the one with the most free memory, if the KV
-        fits. False (the lane keeps it) when none can."""
+        fits. Cached staged weights no lease pins make way on the device that takes it, as at admission (the
+        worker's hand-off evicts them in the GMG the same way). False (the lane keeps it) when none can."""
         sim, guest = self.sim, lease.guest_dev
         home = lease.engine
         need = home.kv_need(r)
         fit = self._fill_target(lease, r, need)
-        if fit is not None and fit.device.mem.try_alloc("kv", need, now):
+        if fit is not None and _reserve_kv(fit, need, now):
             home = fit
-        elif home.draining or not home.device.mem.try_alloc("kv", need, now):
+        elif home.draining or not _reserve_kv(home, need, now):
             home = self._other_home(lease, need)
-            if home is None or not home.device.mem.try_alloc("kv", need, now):
+            if home is None or not _reserve_kv(home, need, now):
                 return False
         hdev = home.device
         done = self._transfer(guest, hdev, sim.snapshot.link_kind(guest.id, hdev.id),
@@ -380,3 +381,10 @@ class LeaseBook:
         dev.state.home_tenant = tenant
         dev.state.draining = False
         self.sim.refresh(dev)
+
+
+def _reserve_kv(engine, need: int, now: float) -> bool:
+    """Reserve a handed-back sequence's KV on ``engine``'s device, evicting cached staged weights that no lease
+    pins when they are what stands in the way (``SimReplica.admit`` does the same)."""
+    mem = engine.device.mem
+    return mem.try_alloc("kv", need, now) or (mem.make_room(need, now) and mem.try_alloc("kv", need, now))

@@ -264,6 +264,26 @@ async def test_a_full_home_hands_over_to_another_device_of_the_container(redis_u
         assert workers["e1"].handoffs.stats["received"] == 2 and workers["e0"].handoffs.stats["received"] == 0
 
 
+async def test_a_home_full_of_cached_guest_weights_evicts_them_to_take_the_sequence(redis_url, prefix, redis):
+    """The lease's home (e0, the container's only running device) has no memory left but weights another tenant's
+    lease staged there and no lease pins: the hand-off's reservation evicts them (in the GMG, as the scheduler's
+    placements and the simulator's hand-back do) instead of leaving the sequence on the lane; KV reservations
+    (above, the refused hand-off) are never evicted."""
+    async with _mesh(redis_url, prefix, redis, "cluster-emulated8.yaml", "tenants-emulated6.yaml",
+                     ("e0", "e2")) as (cluster, tenants, workers, store):
+        row = (await store.devices())["e0"]
+        free = int(row["limit"]) - int(row["reserved"])
+        assert isinstance(await store.reserve([Reservation("e0", "weights:em-c:*", "weights", "em-c", free)]), int)
+        await redis.hset(store.keys.resident("e0"), "em-c|*", free)
+        await _lease_on_cpu1(redis, prefix, workers, True, tenant="em-a", home="e0", guest="e2")
+        gw = f"gw{uuid.uuid4().hex[:6]}"
+        rids = await _assign(redis, prefix, store, gw, PROMPTS, MAX_TOKENS, tenant="em-a", guest="e2")
+        _check_moved(await _collect(redis, prefix, gw, rids), rids, "e2", "e0")
+        assert workers["e2"].handoffs.stats["refused"] == 0 and workers["e0"].handoffs.stats["received"] == 2
+        assert "weights:em-c:*" not in await store.reservations("e0")
+        assert not await redis.hexists(store.keys.resident("e0"), "em-c|*")
+
+
 async def test_the_scheduler_follows_a_moved_request(redis_url, prefix, redis):
     """RequestMoved: the scheduler's record points at the home (cancels, a dead worker's requests go there) and the
     guest's KV reservation is released; a late or repeated notice changes nothing more."""

@@ -42,7 +42,8 @@ def _digest(sim: Simulator) -> str:
 # leases 521 → 520, violations and p99s unchanged here), and 2026-12-06 when the routing began to price a home's
 # prefill beside its decode batch and the hand-off began to price a device's step with its queued prompt tokens
 # (events 8,803 → 10,024, leases 520 → 435, violations 0.18 → 0.35 % here; on the 32-H100 tuning seeds the α = 1.3
-# and 2.1 boundaries rose a grid point).
+# and 2.1 boundaries rose a grid point), and when a hand-back began to evict cached staged weights at a full home as
+# admission does (events 10,024 → 10,027, leases 435 → 433, violations unchanged here).
 # `pooled-bound` is analytic (shared/sim/ceiling.py, tested there); `pooled` is its simulated pool.
 GOLDEN = {
     "container": (6163, 3403.0, 0.002934272, 113.537321, 17.262247, 0, "1549a8ec5bcfe2c1"),
@@ -50,7 +51,7 @@ GOLDEN = {
     "container-realloc": (6166, 3403.0, 0.002934272, 113.537321, 17.262247, 0, "1549a8ec5bcfe2c1"),
     "muxserve": (6315, 3416.666667, 0.001760563, 126.302598, 18.270292, 0, "d4a3e06d62c842e0"),
     "token-pool": (19201, 3309.1, 0.032276995, 250.540186, 24.296625, 0, "1598206ba5f80670"),
-    "slice": (10024, 3414.466667, 0.003521127, 114.321563, 15.792956, 435, "3a0fd292878aa4c2"),
+    "slice": (10027, 3407.933333, 0.003521127, 114.249995, 15.996078, 433, "bb95cd82799cfb20"),
     "pooled": (11743, 3407.933333, 0.0, 99.679629, 14.638014, 0, "0388a3acb3fe7ab4"),
 }
 

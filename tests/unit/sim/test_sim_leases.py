@@ -183,10 +183,25 @@ class _LeaseFullHome(_OneLease):
         return super().decide(trigger, snapshot, whatif)
 
 
-def _run_handback(handback: bool, block_home_kv: bool = False):
+class _LeaseHomeFullOfCachedWeights(_OneLease):
+    """As :class:`_LeaseFullHome`, but what fills the home is another tenant's staged weights that no lease pins
+    (cached after its lease ended)."""
+
+    sim: Simulator
+
+    def decide(self, trigger: Trigger, snapshot, whatif=None):
+        if trigger.kind == "tick" and not self.granted:
+            mem = self.sim.devices["d0"].mem
+            assert mem.stage("t9", "*", mem.limit - mem.used - 1024, self.sim.now)
+            mem.unpin("t9", "*", self.sim.now)
+        return super().decide(trigger, snapshot, whatif)
+
+
+def _run_handback(handback: bool, block_home_kv: bool = False, cached_home: bool = False):
     c = small_cluster(2, 2)
     t = small_tenants(c, ["llama-7b", "llama-7b"])
-    policy = (_LeaseFullHome if block_home_kv else _OneLease)("sequences", 3.0, handback)
+    cls = _LeaseFullHome if block_home_kv else _LeaseHomeFullOfCachedWeights if cached_home else _OneLease
+    policy = cls("sequences", 3.0, handback)
     sim = policy.sim = Simulator(c, t, policy, SimConfig(), random.Random(0))
     return sim, sim.run(Workload("handback", tuple(_mixed_load()), t, 5.0, 0))
 
@@ -276,3 +291,13 @@ def test_lane_handback_keeps_the_sequence_when_its_kv_does_not_fit_at_home():
     assert on_lane and all(q.engine.device.parent is not None for q in on_lane)
     assert "handed_back" not in r.leases
     assert all(q.status == 2 and q.generated == q.output for q in sim.requests)
+
+
+def test_lane_handback_evicts_cached_weights_at_a_full_home():
+    """Cached staged weights (no lease pins them) are reclaimable memory: the hand-back evicts them to fit the KV,
+    as admission does and as the worker's hand-off does in the GMG; a KV reservation is never evicted (above)."""
+    sim, r = _run_handback(True, cached_home=True)
+    moved = [q for q in sim.requests if q.rid.startswith("a")]
+    assert moved and all(q.engine.device.id == "d0" for q in moved)
+    assert r.leases["handed_back"] == len(moved)
+    assert ("t9", "*") not in sim.devices["d0"].mem.staged

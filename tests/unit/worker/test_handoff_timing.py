@@ -1,11 +1,14 @@
 """When a hand-off's two sides touch the compute thread (services/worker/handoff.py): the guest exports a sequence
 right after the step that gave its first token, so sending it never waits for the lane's next step; the home
-resumes a received sequence without a compute-thread round trip, so it joins the home's next step."""
+imports, commits and resumes a received sequence at one step boundary (a pending op of its serve loop), without a
+compute-thread round trip, so it joins the home's next step."""
+import asyncio
+
 from types import SimpleNamespace
 
 import pytest
 
-from services.worker.handoff import HandOffs
+from services.worker.handoff import HandOffs, _Joining
 
 
 class _Engine:
@@ -83,3 +86,61 @@ async def test_sending_uses_the_state_exported_with_the_first_token(monkeypatch)
     assert len(sent) == 1 and sent[0].request.request_id == "r1" and sent[0].computed == 10
     assert steps == ["begin", "abort"] and resumed == [("r1", "timeout")]
     assert not h._exported
+
+
+class _HomeEngine(_Engine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.imported, self.cancelled = [], []
+
+    def import_sequence(self, state) -> None:
+        self.imported.append(state.request_id)
+
+    def cancel(self, rid: str) -> bool:
+        self.cancelled.append(rid)
+        return True
+
+
+def _home(monkeypatch, committed: bool):
+    eng, tracked = _HomeEngine(), {}
+
+    async def no_compute(fn, *args):
+        raise AssertionError(f"the join waited for the compute thread: {fn}")
+
+    async def handoff_step(redis, p, rid, op, *args):
+        assert op == "commit" and rid in eng.imported and rid in eng.paused  # imported (paused) before the commit
+        return committed
+
+    def add(req, entry_id, nblocks):
+        tracked[req.request_id] = SimpleNamespace()
+        return tracked[req.request_id]
+
+    monkeypatch.setattr("services.worker.handoff.handoff_step", handoff_step)
+    w = SimpleNamespace(engine=eng, redis=None, p="t:", worker_id="w", device=SimpleNamespace(id="h0"),
+                        tracker=SimpleNamespace(add=add), engine_of={})
+    h = HandOffs(w)
+    h._on_compute = no_compute
+    return h, eng, tracked, w
+
+
+async def _join(h):
+    req = SimpleNamespace(request_id="r1", tenant="ta")
+    msg = SimpleNamespace(request=req, token="tok", seq=2, started_ts=1.0, first_token_ts=2.0, completion_tokens=1)
+    j = _Joining(msg, SimpleNamespace(request_id="r1", kv=[]), "e-1", 3, asyncio.get_running_loop().create_future())
+    await h.join(j)
+    return j.done.result()
+
+
+@pytest.mark.asyncio
+async def test_the_home_commits_and_resumes_a_received_sequence_at_one_step_boundary(monkeypatch):
+    h, eng, tracked, w = _home(monkeypatch, committed=True)
+    assert await _join(h) == "ok"
+    assert eng.imported == ["r1"] and not eng.paused and not eng.cancelled  # runs in the step planned next
+    assert "r1" in tracked and w.engine_of["r1"] is eng and h.stats["received"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_sequence_the_guest_gave_up_on_is_dropped_at_the_boundary(monkeypatch):
+    h, eng, tracked, w = _home(monkeypatch, committed=False)
+    assert await _join(h) == "given_up"
+    assert eng.cancelled == ["r1"] and not tracked and "r1" not in w.engine_of

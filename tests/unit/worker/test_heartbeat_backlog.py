@@ -43,7 +43,7 @@ class _Lanes:
     def status(self):
         return [("tb", 1, 50, True)]
 
-    def share(self):
+    def yield_share(self, home):
         return 0.5
 
 

@@ -11,9 +11,10 @@ sequence would pass the fill bound of ``shared/handback.py``, or when it has no 
 
 Home, :meth:`HandOffs.receive` (a task beside the stream handler, so that the fetch holds up no other entry): reserves
 the sequence's KV in the GMG (evicting cached staged weights of other tenants that no lease pins, when they are what
-stands in the way), fetches the KV from the guest (emulated devices wait the link's time instead), imports the sequence
-paused, then commits in the journey hash (worker and device change, only while the guest's token is still there); then
-it tracks the request (its ``HandOff`` entry is acked when the request ends, as an ``AssignRequest`` is), publishes
+stands in the way), fetches the KV from the guest (emulated devices wait the link's time instead); then, at the next
+step boundary of its serve loop (:meth:`HandOffs.join`), imports the sequence, commits in the journey hash (worker and
+device change, only while the guest's token is still there), tracks the request (its ``HandOff`` entry is acked when
+the request ends, as an ``AssignRequest`` is) and resumes it in the step planned next; then it publishes
 :class:`RequestMoved` (the scheduler moves its record and releases the guest's KV reservation) and answers
 :class:`HandOffReply`. A cancel arriving meanwhile is applied after the commit.
 
@@ -454,9 +455,9 @@ class HandOffs:
     async def join(self, j: _Joining) -> None:
         """Serve loop, between two steps (the compute thread is idle): import ``j``'s sequence, commit in the
         journey hash (only while the guest's token is still there) and track it, then let it run in the step about
-        to be planned — the simulator's hand-back joins the home's first step after the KV is there. Importing on the
-        compute thread and resuming after the commit held a sequence out of one or two more home steps (0.13 s
-        median on the emulated mesh's burst). The outcome ("ok" or why not) goes to the waiting hand-off task."""
+        to be planned — the simulator's hand-back joins the home's first step after the KV is there (importing on the
+        compute thread and resuming after the commit's publishes held a sequence out of one or two more home steps).
+        The outcome ("ok" or why not) goes to the waiting hand-off task."""
         if j.done.done():  # the waiting task was cancelled (the worker is stopping)
             return
         w, r = self.w, j.msg.request

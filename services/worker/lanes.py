@@ -5,8 +5,8 @@ the simulator's devices follow (``shared/guest_share.py``): no lane iteration wh
 prefill, never two in a row while it decodes, and otherwise at most the share of the device its TPOT slack spares
 (capped by the leases' ``share``); an idle home leaves the device to the lanes. A revoked or expired lease
 stops new placements; sequences already here finish under its share (their KV and results stay valid), as the
-simulator's draining leases do. Staged engines stay cached for reuse until the device's own tenant needs the
-memory."""
+simulator's draining leases do. Staged engines stay cached for reuse until a reservation evicts their weights in the
+GMG (the device's own tenant or a hand-off needing the memory): :meth:`GuestLanes.drop_evicted`."""
 from __future__ import annotations
 
 import time

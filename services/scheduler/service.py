@@ -52,8 +52,7 @@ class SchedulerService:
         self._hb_seen: dict[str, float] = {}  # device -> newest WorkerHeartbeat.ts read from the events stream
         self._placing: str | None = None  # request being placed (its awaits let a cancel arrive mid-way)
         self._late_cancels: dict[str, CancelRequest] = {}
-        self.assigned = AssignedTable(tenants.home_of())
-        # request_id -> (device, req, worker_id)
+        self.assigned = AssignedTable(tenants.home_of())  # request_id -> (device, req, worker_id)
         self.wake = asyncio.Event()
         self._blocking: list = []
         reg = self.shell.registry

@@ -401,14 +401,6 @@ class HandOffs:
         order = weights.evictable(guest.pinned() if guest is not None else set()) if weights is not None else []
         return Room(self.w.device.id, (), {f"{t}|{s}": float(i + 1) for i, (t, s, _) in enumerate(order)})
 
-    def _dropped(self, evicted) -> None:
-        """Free this worker's copy of the staged weights a reservation evicted in the GMG."""
-        weights = getattr(self.w.lease_agent, "weights", None)
-        for device, tenant, seg, nbytes in evicted:
-            if weights is not None and device == self.w.device.id:
-                weights.drop(tenant, seg)
-            log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=nbytes, by="handoff")
-
     async def _take(self, entry_id: str, msg: HandOff) -> bool:
         """Reserve, fetch, import and commit ``msg``'s sequence; False when refused (the guest was told)."""
         w, r = self.w, msg.request
@@ -423,8 +415,9 @@ class HandOffs:
             [self._room()])
         if isinstance(res, Refused) and res.reason != "duplicate":
             return await self._refuse(msg, f"memory: {res.reason}")
-        if not isinstance(res, Refused):
-            self._dropped(res.evicted)
+        for device, tenant, seg, nbytes in ([] if isinstance(res, Refused) else res.evicted):
+            # this worker's copy goes at its lease agent's next upkeep, which drops what the GMG no longer holds
+            log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=nbytes, by="handoff")
         try:
             kv = await w.lease_agent.fetch_kv(msg.from_device, KVQuery(request_id=rid, token=msg.token,
                                                                        home_device=w.device.id), msg) \

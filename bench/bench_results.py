@@ -132,6 +132,16 @@ def _check_png(path: Path | None) -> None:
               file=sys.stderr)
 
 
+def containers_option(containers: Any) -> str | None:
+    """``--containers`` of the ``bench compare`` command equivalent to a part: a mode as given, or the mode of a
+    partition resolved before the part ran (a mesh's, planned once for the mesh and its prediction: ``plan``
+    reproduces it, where leaving the option out would run the tenants file's homes on a mesh)."""
+    if isinstance(containers, str):
+        return containers
+    mode = containers.get("mode") if isinstance(containers, dict) else None
+    return mode if mode in ("plan", "homes") else None
+
+
 def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str, s: Search, jobs: int,
                  json_out: Path, cmd: str, quick: bool, hook: Any = None,
                  containers: Any = "plan") -> dict[str, Any]:
@@ -144,7 +154,7 @@ def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str
     opts = {"duration_s": s.duration_s, "start_scale": s.start_scale, "tolerance": s.tolerance,
             "max_scale": s.max_scale, "jobs": jobs if fidelity == "sim" else None, "seeds": s.seeds,
             "tuning_seeds": s.tuning_seeds, "plan_duration_s": s.plan_duration_s,
-            "containers": containers if isinstance(containers, str) else None}
+            "containers": containers_option(containers)}
     print(f"bench results: {fidelity} {Path(workload).stem}: {', '.join(policies)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     res = compare(ns, policies)

@@ -1,7 +1,8 @@
 """The evaluation's acceptance targets, read off ``bench compare`` results (never assumed)."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import statistics
+from typing import Any, Mapping, Sequence
 
 from bench.bench_compare import captured, ratios
 
@@ -111,8 +112,21 @@ def emulated_checks(em: Mapping[str, Any], pred: Mapping[str, Any]) -> dict[str,
     return out
 
 
-def real_checks(real: Mapping[str, Any]) -> dict[str, Any]:
-    """slice ÷ container in measured tokens/s on the real CPU mesh and the ≥ 1.3× target."""
-    r = _get(real.get("ratio_to_container") or ratios(real["policies"]), "slice", "9")
-    return {"ratio_9": r, "ratio_1": _get(real.get("ratio_to_container") or ratios(real["policies"]), "slice", "1"),
-            "meets": None if r is None else r >= REAL_RATIO_MIN}
+def real_checks(real: Mapping[str, Any], repeats: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """slice ÷ container in measured tokens/s on the real CPU mesh and the ≥ 1.3× target; with ``repeats`` (the
+    same part run again in the same ``bench results`` invocation) also each run's ratios and their medians, and the
+    target is read on the median ≤ 9 % ratio."""
+    def pair(res: Mapping[str, Any]) -> tuple[Any, Any]:
+        rc = res.get("ratio_to_container") or ratios(res["policies"])
+        return _get(rc, "slice", "9"), _get(rc, "slice", "1")
+
+    runs = [pair(r) for r in (real, *repeats)]
+    r9, r1 = runs[0]
+    out: dict[str, Any] = {"ratio_9": r9, "ratio_1": r1, "runs": runs, "median_9": None, "median_1": None}
+    if len(runs) > 1:
+        for i, key in ((0, "median_9"), (1, "median_1")):
+            vals = [x[i] for x in runs]
+            out[key] = None if None in vals else statistics.median(vals)
+    target = out["median_9"] if len(runs) > 1 else r9
+    out["meets"] = None if target is None else target >= REAL_RATIO_MIN
+    return out

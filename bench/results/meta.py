@@ -98,13 +98,35 @@ def describe_setup(workload: str | Path, cluster: str | Path, fidelity: str) -> 
             "workload": display_path(workload), "cluster": display_path(cluster)}
 
 
+# what a results run writes itself: not a change to the code that produced it
+_OUTPUTS = (":(exclude)docs/results", ":(exclude)docs/results.md", ":(exclude)README.md")
+
+
+def code_commit(repo: Path = REPO) -> str | None:
+    """The commit the code ran at (short hash), ``+changes`` when tracked files other than the results' own
+    outputs differ from it; None outside a git checkout."""
+    def git(*argv: str) -> str | None:
+        try:
+            p = subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return None
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *_OUTPUTS)
+    return head + ("+changes" if changed else "")
+
+
 def run_meta(fidelity: str, *, command: str, results_command: str, wall_s: float, quick: bool,
              duration_s: float | None, full_duration_s: float | None, machine: str | None = None,
-             setup: dict[str, Any] | None = None) -> dict[str, Any]:
+             setup: dict[str, Any] | None = None, commit: str | None = None) -> dict[str, Any]:
     """The ``meta`` block stored with every raw result file."""
     shortened = duration_s is not None and (full_duration_s is None or duration_s < full_duration_s)
     return {"fidelity": fidelity, "fidelity_label": FIDELITY_LABELS[fidelity],
-            "machine": machine or describe_machine(), "date": today(), "command": command,
+            "machine": machine or describe_machine(), "date": today(), "commit": commit or code_commit(),
+            "command": command,
             "results_command": results_command, "wall_s": round(wall_s, 1), "quick": quick,
             "duration_s": duration_s, "full_duration_s": full_duration_s, "shortened": shortened,
             **(setup or {})}

@@ -47,7 +47,15 @@ def load_results(out_dir: Path) -> dict[str, Any]:
     return {"sim": {w: sims[w] for w in order}, "emulated": read("emulated.json"),
             "prediction": read("emulated-prediction.json"), "emulated_timeline": read("emulated-timeline.json"),
             "real": read("real.json"), "real_timeline": read("real-timeline.json"),
+            "real_repeats": [json.loads(p.read_text()) for p in repeat_files(out_dir, "real")],
             "anatomy": load_anatomies(out_dir, SIM_ORDER)}
+
+
+def repeat_files(out_dir: Path, part: str) -> list[Path]:
+    """``<part>-run2.json``, ``<part>-run3.json``, …: the part run again by the same ``bench results`` invocation
+    (``--real-runs``), in run order."""
+    found = [(p, p.stem[len(part) + len("-run"):]) for p in out_dir.glob(f"{part}-run*.json")]
+    return [p for p, n in sorted(found, key=lambda x: int(x[1]) if x[1].isdigit() else 0) if n.isdigit()]
 
 
 def _rel(png: Path, md: Path) -> str:
@@ -71,7 +79,9 @@ def provenance(meta: Mapping[str, Any]) -> list[str]:
                       if x)
     lines = [f"- fidelity: **{meta['fidelity_label']}**" + (f"; {'; '.join(tags)}" if tags else ""),
              f"- setup: {setup or '–'}; workload `{meta.get('workload', '?')}`, cluster `{meta.get('cluster', '?')}`",
-             f"- machine: {meta['machine']}; date: {meta['date']}; wall time: {fmt(meta.get('wall_s'), '.0f')} s",
+             f"- machine: {meta['machine']}; date: {meta['date']}"
+             + (f"; commit: {meta['commit']}" if meta.get("commit") else "")
+             + f"; wall time: {fmt(meta.get('wall_s'), '.0f')} s",
              f"- trace: {window}",
              f"- command: `{meta['command']}`"]
     return lines
@@ -296,18 +306,37 @@ def emulated_section(em: Mapping[str, Any] | None, pred: Mapping[str, Any] | Non
         tl, out_dir / "emulated-timeline.png", md, "emulated mesh")
 
 
+def runs_table(real: Mapping[str, Any], repeats: list[Mapping[str, Any]]) -> list[str]:
+    """One row per run of the real part (the first is the one tabulated above), and the medians."""
+    c = real_checks(real, repeats)
+    lines = [f"Runs of this search ({len(c['runs'])}; the first is the one tabulated above, `--real-runs` repeats "
+             "it in the same invocation; each row's command is in its JSON, `real-runN.json`). One mesh run is a "
+             "sample of the machine's speed at the hour, so the target reads the median:", "",
+             "| run | date | commit | container max scale ≤9% | slice max scale ≤9% | slice × container ≤9% | ≤1% |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    for i, (res, (r9, r1)) in enumerate(zip((real, *repeats), c["runs"]), 1):
+        m, p = res.get("meta", {}), res["policies"]
+        lines.append(f"| {i} | {m.get('date', '–')} | {m.get('commit') or '–'} | "
+                     f"{fmt(p.get('container', {}).get('max_scale_9'), '.3g')} | "
+                     f"{fmt(p.get('slice', {}).get('max_scale_9'), '.3g')} | {fmt(r9)} | {fmt(r1)} |")
+    return lines + [f"| median | | | | | **{fmt(c['median_9'])}** | {fmt(c['median_1'])} |", ""]
+
+
 def real_section(real: Mapping[str, Any] | None, tl: Mapping[str, Any] | None, out_dir: Path,
-                 md: Path) -> list[str]:
+                 md: Path, repeats: list[Mapping[str, Any]] | None = None) -> list[str]:
     lines = ["## Real CPU mesh", "",
              "The mesh computing for real with torch on this machine's CPU threads, under skewed, bursty load.", ""]
     if not real:
         return lines + ["_Not run yet._", ""]
-    c = real_checks(real)
+    repeats = repeats or []
+    c = real_checks(real, repeats)
     lines += provenance(real["meta"]) + containers_lines(real) + [""] + policy_table(real) + [""] + tenant_table(real)
+    if repeats:
+        lines += runs_table(real, repeats)
     caveat = lease_caveat(tl)
     verdict = "**not met** (no lease ran, see below)" if caveat else yesno(c["meets"])
-    lines += [f"Target: slice ≥ 1.3× container in measured tokens/s at ≤ 9% violations: "
-              f"{fmt(c['ratio_9'])}× — {verdict}.", ""]
+    read = (f"the median of {len(c['runs'])} runs, {fmt(c['median_9'])}×" if repeats else f"{fmt(c['ratio_9'])}×")
+    lines += [f"Target: slice ≥ 1.3× container in measured tokens/s at ≤ 9% violations: {read} — {verdict}.", ""]
     if caveat:
         lines += [caveat, ""]
     png = out_dir / "real.png"
@@ -346,7 +375,8 @@ def draw_figures(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
 
 
 def _all_meta(results: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    parts = list(results["sim"].values()) + [results[k] for k in ("emulated", "prediction", "real")]
+    parts = list(results["sim"].values()) + [results[k] for k in ("emulated", "prediction", "real")] \
+        + list(results.get("real_repeats") or [])
     return [r["meta"] for r in parts if r and "meta" in r]
 
 
@@ -356,7 +386,9 @@ def results_markdown(results: Mapping[str, Any], out_dir: Path, md: Path, result
     walls = [(k, r["meta"]) for k, r in [*(("sim " + w, r) for w, r in results["sim"].items()),
                                          ("emulated mesh", results["emulated"]),
                                          ("simulated prediction for the emulated mesh", results["prediction"]),
-                                         ("real CPU mesh", results["real"])] if r]
+                                         ("real CPU mesh", results["real"]),
+                                         *((f"real CPU mesh, run {i}", r) for i, r in
+                                           enumerate(results.get("real_repeats") or [], 2))] if r]
     cmds = list(dict.fromkeys(m["results_command"] for m in _all_meta(results) if m.get("results_command")))
     cmds = cmds or ([results_command] if results_command else [])
     lines = ["Produced by: " + ", ".join(f"`{c}`" for c in cmds), "", "Measured wall time of each part in the run "
@@ -365,7 +397,7 @@ def results_markdown(results: Mapping[str, Any], out_dir: Path, md: Path, result
               f"{', shortened trace' if m.get('shortened') else ''}; {m['date']})" for k, m in walls] + [""]
     lines += sim_section(results["sim"], out_dir, md, results.get("anatomy") or {})
     lines += emulated_section(results["emulated"], results["prediction"], results["emulated_timeline"], out_dir, md)
-    lines += real_section(results["real"], results["real_timeline"], out_dir, md)
+    lines += real_section(results["real"], results["real_timeline"], out_dir, md, results.get("real_repeats"))
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -417,10 +449,15 @@ def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
     if real:
         m = real["meta"]
         p = real["policies"]
+        repeats = results.get("real_repeats") or []
+        c = real_checks(real, repeats)
+        more = (" | median of runs |", "---:|", f" {fmt(c['median_9'])} ({len(c['runs'])} runs) |") if repeats \
+            else ("", "", "")
         lines += [f"**Real CPU mesh** {_setup(m, 'bursty load')}", "",
-                  "| container tok/s ≤9% | slice tok/s ≤9% | slice × container |", "|---:|---:|---:|",
+                  "| container tok/s ≤9% | slice tok/s ≤9% | slice × container" + (more[0] or " |"),
+                  "|---:|---:|---:|" + more[1],
                   f"| {fmt(p.get('container', {}).get('tokens_per_s_9'), '.1f')} | "
-                  f"{fmt(p.get('slice', {}).get('tokens_per_s_9'), '.1f')} | {fmt(real_checks(real)['ratio_9'])} |", ""]
+                  f"{fmt(p.get('slice', {}).get('tokens_per_s_9'), '.1f')} | {fmt(c['ratio_9'])} |" + more[2], ""]
         if lease_caveat(results["real_timeline"]):
             lines += [NO_LEASE_NOTE, ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -26,3 +26,40 @@ def test_a_mode_given_as_text_is_printed_as_given_and_a_file_partition_is_not_cl
     assert containers_option({"mode": "homes"}) == "homes"
     assert containers_option({"mode": "file", "file": None, "homes": {"a": ["g0"]}}) is None
     assert containers_option(None) is None
+
+
+def test_the_results_command_names_a_non_default_count_of_real_runs():
+    import argparse
+
+    from bench.bench_results import configure, real_runs, results_command
+    p = argparse.ArgumentParser()
+    configure(p)
+    one = p.parse_args(["--only", "real", "--real-runs", "1"])
+    assert shlex.split(results_command(one))[-4:] == ["--only", "real", "--real-runs", "1"] and real_runs(one) == 1
+    default = p.parse_args(["--only", "real"])
+    assert "--real-runs" not in results_command(default) and real_runs(default) == 3
+    assert real_runs(p.parse_args(["--quick"])) == 1
+
+
+def test_the_commit_says_when_the_code_differs_from_it_but_not_for_the_results_own_outputs(tmp_path):
+    import subprocess
+
+    from bench.results.meta import code_commit
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.email=t@example.com", "-c", "user.name=t",
+                               *a], check=True, capture_output=True, text=True).stdout.strip()
+    assert code_commit(tmp_path) is None  # not a checkout
+    git("init", "-q")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    for f in ("code.py", "README.md", "docs/results/real.json"):
+        (tmp_path / f).write_text("v1\n")
+    git("add", "-A")
+    git("commit", "-qm", "c")
+    head = git("rev-parse", "--short", "HEAD")
+    assert code_commit(tmp_path) == head
+    (tmp_path / "README.md").write_text("v2\n")
+    (tmp_path / "docs" / "results" / "real.json").write_text("v2\n")
+    assert code_commit(tmp_path) == head  # what a results run writes is not a code change
+    (tmp_path / "code.py").write_text("v2\n")
+    assert code_commit(tmp_path) == head + "+changes"

@@ -98,13 +98,13 @@ def describe_setup(workload: str | Path, cluster: str | Path, fidelity: str) -> 
             "workload": display_path(workload), "cluster": display_path(cluster)}
 
 
-# what a results run writes itself: not a change to the code that produced it
-_OUTPUTS = (":(exclude)docs/results", ":(exclude)docs/results.md", ":(exclude)README.md")
+# not code: the pages (which a results run itself rewrites) and the raw results beside them
+_NOT_CODE = (":(exclude)docs", ":(exclude)*.md")
 
 
 def code_commit(repo: Path = REPO) -> str | None:
-    """The commit the code ran at (short hash), ``+changes`` when tracked files other than the results' own
-    outputs differ from it; None outside a git checkout."""
+    """The commit the code ran at (short hash), ``+changes`` when tracked files other than the docs differ from
+    it (a results run rewrites docs/results* and the README itself); None outside a git checkout."""
     def git(*argv: str) -> str | None:
         try:
             p = subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, text=True, timeout=10)
@@ -115,7 +115,7 @@ def code_commit(repo: Path = REPO) -> str | None:
     head = git("rev-parse", "--short", "HEAD")
     if not head:
         return None
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *_OUTPUTS)
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *_NOT_CODE)
     return head + ("+changes" if changed else "")
 
 

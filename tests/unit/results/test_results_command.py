@@ -41,7 +41,7 @@ def test_the_results_command_names_a_non_default_count_of_real_runs():
     assert real_runs(p.parse_args(["--quick"])) == 1
 
 
-def test_the_commit_says_when_the_code_differs_from_it_but_not_for_the_results_own_outputs(tmp_path):
+def test_the_commit_says_when_the_code_differs_from_it_but_not_for_the_docs(tmp_path):
     import subprocess
 
     from bench.results.meta import code_commit
@@ -52,7 +52,7 @@ def test_the_commit_says_when_the_code_differs_from_it_but_not_for_the_results_o
     assert code_commit(tmp_path) is None  # not a checkout
     git("init", "-q")
     (tmp_path / "docs" / "results").mkdir(parents=True)
-    for f in ("code.py", "README.md", "docs/results/real.json"):
+    for f in ("code.py", "README.md", "docs/results/real.json", "docs/page.md"):
         (tmp_path / f).write_text("v1\n")
     git("add", "-A")
     git("commit", "-qm", "c")
@@ -60,6 +60,7 @@ def test_the_commit_says_when_the_code_differs_from_it_but_not_for_the_results_o
     assert code_commit(tmp_path) == head
     (tmp_path / "README.md").write_text("v2\n")
     (tmp_path / "docs" / "results" / "real.json").write_text("v2\n")
-    assert code_commit(tmp_path) == head  # what a results run writes is not a code change
+    (tmp_path / "docs" / "page.md").write_text("v2\n")
+    assert code_commit(tmp_path) == head  # the docs, which a results run itself rewrites, are not code
     (tmp_path / "code.py").write_text("v2\n")
     assert code_commit(tmp_path) == head + "+changes"

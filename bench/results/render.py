@@ -54,8 +54,8 @@ def load_results(out_dir: Path) -> dict[str, Any]:
 def repeat_files(out_dir: Path, part: str) -> list[Path]:
     """``<part>-run2.json``, ``<part>-run3.json``, …: the part run again by the same ``bench results`` invocation
     (``--real-runs``), in run order."""
-    found = [(p, p.stem[len(part) + len("-run"):]) for p in out_dir.glob(f"{part}-run*.json")]
-    return [p for p, n in sorted(found, key=lambda x: int(x[1]) if x[1].isdigit() else 0) if n.isdigit()]
+    found = {p: p.stem[len(f"{part}-run"):] for p in out_dir.glob(f"{part}-run*.json")}
+    return sorted((p for p, n in found.items() if n.isdigit()), key=lambda p: int(found[p]))
 
 
 def _rel(png: Path, md: Path) -> str:

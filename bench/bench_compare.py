@@ -68,7 +68,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "default), homes (the tenants file's; the meshes' default), sized (by average work) or a "
                         "containers file")
     p.add_argument("--confirm", type=int, default=None,
-                   help="passes a reported point needs (replays until then; default 2 for --fidelity real, else 1)")
+                   help="passes a reported point needs (replays until then; default 2 on the meshes (real, emulated), 1 in the simulator)")
     p.add_argument("--sim-steering", choices=STEERING, default=None,
                    help="mesh fidelities: the scheduler's what-if with the simulator service's learned corrections "
                         "and forecasts (on), without (off, SLICESCHED_SIM_STEERING=0), or each policy searched both "
@@ -186,10 +186,10 @@ def _runner(fidelity: str) -> Callable[..., dict[str, Any]]:
 
 
 def confirm_of(args: argparse.Namespace) -> int:
-    """Passes a reported point needs: ``--confirm``, by default 2 on the real mesh (its single 60-s points move by
-    ± 5-10 points of violations between replays) and 1 elsewhere (the simulator is deterministic)."""
+    """Passes a reported point needs: ``--confirm``, by default 2 on the meshes (their single 60-s points move by
+    ± 5-10 points of violations between replays, the emulated one's too) and 1 in the simulator (deterministic)."""
     c = getattr(args, "confirm", None)
-    return int(c) if c is not None else (2 if getattr(args, "fidelity", "sim") == "real" else 1)
+    return int(c) if c is not None else (2 if getattr(args, "fidelity", "sim") in SERIAL_FIDELITIES else 1)
 
 
 def seeds_of(args: argparse.Namespace) -> list[int | None]:

@@ -264,6 +264,8 @@ def test_confirmed_search_replays_the_boundary_and_drops_a_lucky_pass(monkeypatc
     assert len([x for x in res["runs"] if x["scale"] == s]) == 2  # both replays are in the log
     assert all(x["cpu_s"] == {"gateway": x["scale"], "cpu0": 2 * x["scale"]} for x in res["runs"])  # mesh CPU kept
     assert bench_compare.confirm_of(argparse.Namespace(fidelity="sim")) == 1
+    assert bench_compare.confirm_of(argparse.Namespace(fidelity="emulated")) == 2  # a mesh replay is noisy too
+    assert bench_compare.confirm_of(argparse.Namespace(fidelity="emulated", confirm=1)) == 1
 
 
 def test_bench_compare_refuses_confirm_below_one(files, capsys):

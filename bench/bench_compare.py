@@ -68,7 +68,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "default), homes (the tenants file's; the meshes' default), sized (by average work) or a "
                         "containers file")
     p.add_argument("--confirm", type=int, default=None,
-                   help="passes a reported point needs (replays until then; default 2 on the meshes (real, emulated), 1 in the simulator)")
+                   help="passes a reported point needs (replays until then; default 2 on the meshes, real and "
+                        "emulated, 1 in the simulator)")
     p.add_argument("--sim-steering", choices=STEERING, default=None,
                    help="mesh fidelities: the scheduler's what-if with the simulator service's learned corrections "
                         "and forecasts (on), without (off, SLICESCHED_SIM_STEERING=0), or each policy searched both "

@@ -12,11 +12,13 @@ import structlog
 from shared.config import ClusterConfig, TenantsConfig
 from shared.gmg import GMGStore, Refused, Room
 from shared.gmg.lease_store import Lease, LeaseStore
-from shared.messages import LeaseGranted, LeaseRevoked, worker_stream
+from shared.costmodel.sla import RequestTargets
+from shared.messages import LeaseGranted, LeaseRevoked, RequestFinished, worker_stream
 from shared.model.graph import ModelGraph
 from shared.policies import (ClusterSnapshot, DeviceState, ExtendLease, GrantLease, LeaseState, RevokeLease,
                              TenantState)
 from shared.policies.snapshot import LeaseTable
+from shared.policies.attainment import Attainment, missed
 from shared.policies.rates import ArrivalStats
 from shared.streams import StreamProducer
 from services.scheduler.core import DeviceView, SchedulerCore
@@ -42,6 +44,8 @@ class SnapshotBuilder:
         self.cluster, self.tenants, self.core = cluster, tenants, core
         start = time.time()
         self.rates = {t.name: ArrivalStats(start=start) for t in tenants.tenants}
+        self.attainment = {t.name: Attainment() for t in tenants.tenants}
+        self._targets = {t.name: RequestTargets(t.sla, t.model.config) for t in tenants.tenants}
         self.home_of = tenants.home_of()
         self.n_home = {t.name: max(1, len(t.home_devices)) for t in tenants.tenants}
         self._parsed: dict[str, tuple[str, dict]] = {}  # device -> (raw "resident" field, parsed)
@@ -91,6 +95,23 @@ class SnapshotBuilder:
         hit = self._queues[tenant] = (ver, len(q), min((p.enqueued_ts for p in q.values()), default=math.inf),
                                       sum(len(p.req.prompt_ids) for p in q.values()))
         return hit
+
+    def request_ended(self, msg: RequestFinished, arrival_ts: float) -> None:
+        """Count a finished request in its tenant's recent attainment, as the simulator counts it
+        (``shared/policies/attainment.py``): TTFT from its arrival at the gateway (``arrival_ts``; from its start
+        on the worker when unknown), TPOT over the tokens after the first. A cancelled request does not count."""
+        a = self.attainment.get(msg.tenant)
+        if a is None or msg.outcome == "cancelled":
+            return
+        if msg.outcome == "failed":
+            a.observe(msg.ts, True)
+            return
+        if msg.completion_tokens < 1 or msg.ttft_ms <= 0:  # no first token on record: nothing to judge
+            return
+        first = msg.ts - (msg.e2e_ms - msg.ttft_ms) / 1e3  # when its first token came
+        ttft = first - arrival_ts if 0 < arrival_ts <= first else msg.ttft_ms / 1e3
+        tpot = (msg.ts - first) / (msg.completion_tokens - 1) if msg.completion_tokens > 1 else None
+        a.observe(msg.ts, missed(ttft, tpot, self._targets[msg.tenant](msg.prompt_tokens, msg.completion_tokens)))
 
     def build(self, now: float, views: dict[str, DeviceView], rows: dict[str, dict[str, str]],
               assigned: dict[str, tuple], leases: dict[str, LeaseState]) -> ClusterSnapshot:
@@ -156,6 +177,8 @@ class SnapshotBuilder:
             r, ts = self.rates[t.name], snap.tenants[t.name]
             ts.queued, ts.running = queues.depth(t.name), running_of.get(t.name, 0)
             ts.rate_rps, ts.mean_input, ts.mean_output = r.rate(now), r.mean_input, r.mean_output
+            a = self.attainment[t.name]
+            ts.violation_rate, ts.recent_requests = a.rate, a.requests
         snap.now = now
         snap.leases = LeaseTable(leases)
         return snap

@@ -344,6 +344,9 @@ class SchedulerService:
     async def _on_event(self, d: Delivery) -> str:
         msg = d.msg
         if isinstance(msg, RequestFinished):
+            a = self.assigned.get(msg.request_id)
+            if a is not None:  # once per request: a redelivered finish finds it gone
+                self.snapshots.request_ended(msg, a[1].arrival_ts)
             await self._finished(msg.request_id, msg.device, "done" if msg.outcome in ("stop", "length")
                                  else msg.outcome if msg.outcome in ("cancelled", "failed") else "done")
         elif isinstance(msg, RequestMoved):

@@ -22,7 +22,7 @@ from shared.policies.actions import Action, ExtendLease, GrantLease, Placement, 
 from shared.policies.base import POLICIES, OfferedLoad, Policy, PolicyConfig, least_loaded
 from shared.policies.container import container_placement
 from shared.policies.guest_index import Indexes, rank_all
-from shared.policies.snapshot import ClusterSnapshot, DeviceState
+from shared.policies.snapshot import ClusterSnapshot, DeviceState, TenantState
 
 
 # A share bound by the guest's SLA is offered a hair inside it: the what-if checks the same latency with ``>``, and
@@ -57,6 +57,9 @@ class SliceConfig(PolicyConfig):
     lane_tpot_fraction: float = 0.8  # >0: a home whose decode step is past this × TPOT target sends prompts to lanes
     max_leases: int = 3  # leases one home device may hold at once
     guest_margin: float = 0.8  # guest tenant's predicted latency must stay under margin × SLA
+    guard_rate: float = 0.05  # >0: a device whose tenant missed its SLA on more than this share of its recent
+    guard_ratio: float = 1.2  #   requests, and on more than guard_ratio × the borrower's share, lends it nothing new
+    guard_min_requests: float = 50.0  #   (over at least this many recent requests; shared/policies/attainment.py)
     tick_s: float = 0.2
     min_seek_interval_s: float = 0.05
     max_commits: int = 3  # leases committed per decision (on distinct guests; one segments lease at most)
@@ -260,7 +263,23 @@ class SlicePolicy(Policy):
             n = g.guest_engines.get(lease.tenant, (0, 0, True))[0] + 1
             if whatif.lane_tpot(snapshot, t, g, lease.share, n) > margin * t.sla.tpot_ms / 1e3:
                 closed.add(lease.id)
+        for lease in snapshot.leases.values():
+            if lease.mode == "sequences" and self._guarded(snapshot.devices[lease.guest_device],
+                                                            snapshot.tenants[lease.tenant], snapshot):
+                closed.add(lease.id)
         self._closed = closed
+
+    def _guarded(self, g: DeviceState, borrower: TenantState, snapshot: ClusterSnapshot) -> bool:
+        """``g``'s own tenant has missed its SLA on more than ``guard_rate`` of its recent requests (over at least
+        ``guard_min_requests``) and on more than ``guard_ratio`` × the share ``borrower`` has missed: ``g`` then
+        lends ``borrower`` no new time, and ``borrower``'s lane there takes no new prompts, so that the tenants'
+        violations even out instead of the lender's piling up (``shared/policies/attainment.py``)."""
+        cfg = self.cfg
+        if cfg.guard_rate <= 0 or g.home_tenant is None or g.home_tenant == borrower.name:
+            return False
+        own = snapshot.tenants[g.home_tenant]
+        return own.recent_requests >= cfg.guard_min_requests and own.violation_rate > cfg.guard_rate \
+            and own.violation_rate > cfg.guard_ratio * borrower.violation_rate
 
     def _own_latency(self, d: DeviceState, snapshot: ClusterSnapshot, whatif: Any, share: float) -> tuple[float, float]:
         t = snapshot.tenants[d.home_tenant]  # type: ignore[index]
@@ -356,9 +375,9 @@ class SlicePolicy(Policy):
         if not cfg.segments or len(seg_leases) >= cfg.max_leases:
             free_layers = []
         used_guests = {lease.guest_device for lease in mine}
-        # never lease time on a device whose own tenant is behind itself
+        # never lease time on a device whose own tenant is behind itself, or further behind its SLA than this one
         cands = [g for g in self._guests(d, snapshot, used_guests)
-                 if g.home_tenant is None or not self._behind(g, snapshot, whatif)]
+                 if g.home_tenant is None or not (self._behind(g, snapshot, whatif) or self._guarded(g, t, snapshot))]
         hcost = whatif.cost(t, d.kind)
         shares: dict[str, float] = {}  # per guest, for both modes
 

@@ -68,6 +68,8 @@ class TenantState:
     mean_input: float = 0.0
     mean_output: float = 0.0
     slack_s: float = math.inf  # TTFT target minus the worst predicted TTFT among its queued requests
+    violation_rate: float = 0.0  # share of its recent requests past their SLA (shared/policies/attainment.py)
+    recent_requests: float = 0.0  # how many recent requests that rate is over (decayed count)
 
 
 @dataclass(slots=True)

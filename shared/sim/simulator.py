@@ -17,6 +17,7 @@ from shared.config import ClusterConfig, TenantsConfig
 from shared.costmodel import cost_for, load_profile
 from shared.costmodel.sla import RequestTargets
 from shared.policies.actions import Trigger
+from shared.policies.attainment import Attainment, missed
 from shared.policies.base import OfferedLoad, Policy
 from shared.policies.rates import ArrivalStats
 from shared.policies.sizing import offered_loads
@@ -80,6 +81,7 @@ class Simulator:
         self.leases = LeaseBook(self)
         self.whatif = None
         self._arrivals: dict[str, ArrivalStats] = {}
+        self._attainment: dict[str, Attainment] = {}
         self._max_queue = {t.name: t.max_queue for t in tenants.tenants}
         self._budget: dict[str, float] | None = None  # early stop: violations a tenant may have (None: never stop)
         self._violations: dict[str, int] = {}
@@ -215,6 +217,17 @@ class Simulator:
         if self._budget is not None and not req.late and req.output > 1 and \
                 (now - req.first_token) / (req.output - 1) > req.tpot_t:
             self._late(req)
+        tpot = (now - req.first_token) / (req.output - 1) if req.output > 1 else None
+        self._observe_end(req, now, missed(req.first_token - req.arrival, tpot, self.request_targets(req)))
+
+    def _observe_end(self, req: SimRequest, now: float, violated: bool) -> None:
+        """The tenant's recent attainment, measured as the live scheduler measures it (:class:`Attainment`)."""
+        a = self._attainment.get(req.tenant)
+        if a is None:
+            a = self._attainment[req.tenant] = Attainment()
+        a.observe(now, violated)
+        ts = self.snapshot.tenants[req.tenant]
+        ts.violation_rate, ts.recent_requests = a.rate, a.requests
 
     # ---------------------------------------------------------------- early stop
     def stop_above(self, workload: Workload, bound: float, min_requests: int) -> None:
@@ -236,13 +249,19 @@ class Simulator:
 
     def tpot_target(self, req: SimRequest) -> float:
         """``req``'s TPOT target (s): priced at its arrival when the run needs targets throughout, else now."""
+        return self.request_targets(req)[1]
+
+    def request_targets(self, req: SimRequest) -> tuple[float, float]:
+        """``req``'s (TTFT, TPOT) targets (s): priced at its arrival when the run needs targets throughout, else
+        on first use (and kept on the request)."""
         if req.tpot_t != math.inf:
-            return req.tpot_t
+            return req.ttft_t, req.tpot_t
         tg = self._targets.get(req.tenant) or self._lazy_targets.get(req.tenant)
         if tg is None:
             t = next(t for t in self.tenants_cfg.tenants if t.name == req.tenant)
             tg = self._lazy_targets[req.tenant] = RequestTargets(t.sla, t.model.config, self.cfg.max_batched_tokens)
-        return tg(req.input, req.output)[1]
+        req.ttft_t, req.tpot_t = tg(req.input, req.output)
+        return req.ttft_t, req.tpot_t
 
     def _late(self, req: SimRequest) -> None:
         req.late = True
@@ -342,6 +361,7 @@ class Simulator:
         self.rejected += 1
         if self._budget is not None and not req.late:
             self._late(req)
+        self._observe_end(req, self.now, True)
 
     def _on_step(self, dev: SimDevice) -> None:
         eng = dev.finish(self.now)

@@ -97,3 +97,28 @@ async def test_a_newer_worker_id_from_a_heartbeat_wins_over_the_gmg_row(redis_ur
         assert (a["homes_up"], a["homes"]) == ("1", "1") and (n["homes_up"], n["homes"]) == ("0", "1")  # d1: down
     finally:
         await close_quietly(svc.redis, *svc._blocking)
+
+
+async def test_a_finished_request_counts_once_in_its_tenants_attainment_from_its_arrival(redis_url, redis, prefix):
+    """What ``slice``'s guard reads (``shared/policies/attainment.py``): a request that finished 50 ms after it started
+    on its worker, but 5 s after it reached the gateway, missed its 100-ms TTFT target; a redelivered finish of the
+    same request does not count again."""
+    from types import SimpleNamespace
+
+    from shared.messages import InferenceRequest, RequestFinished
+    await GMGStore(redis, prefix).register_cluster(C_NEW, T_NEW)
+    svc = scheduler(redis_url, prefix)
+    now = time.time()
+    try:
+        svc.assigned["r1"] = ("d0", InferenceRequest(msg_id="m1", request_id="r1", tenant="a", gateway="gw",
+                                                     prompt_ids=[1] * 10, max_tokens=5, arrival_ts=now - 5.0), "w")
+        fin = RequestFinished(msg_id="f1", request_id="r1", tenant="a", device="d0", outcome="stop", prompt_tokens=10,
+                              completion_tokens=5, kv_blocks=1, ts=now, ttft_ms=50.0, e2e_ms=60.0)
+        for _ in range(2):
+            await svc._on_event(SimpleNamespace(msg=fin))
+        a = svc.snapshots.attainment["a"]
+        assert (a.requests, a.violations) == (1.0, 1.0)
+        assert "r1" not in svc.assigned
+        assert svc.decision_snapshot().tenants["a"].violation_rate == 1.0
+    finally:
+        await close_quietly(svc.redis, *svc._blocking)

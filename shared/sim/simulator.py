@@ -214,10 +214,9 @@ class Simulator:
 
     def _on_finish(self, req: SimRequest, now: float) -> None:
         self.snapshot.tenants[req.tenant].running -= 1
-        if self._budget is not None and not req.late and req.output > 1 and \
-                (now - req.first_token) / (req.output - 1) > req.tpot_t:
-            self._late(req)
         tpot = (now - req.first_token) / (req.output - 1) if req.output > 1 else None
+        if self._budget is not None and not req.late and tpot is not None and tpot > req.tpot_t:
+            self._late(req)
         self._observe_end(req, now, missed(req.first_token - req.arrival, tpot, self.request_targets(req)))
 
     def _observe_end(self, req: SimRequest, now: float, violated: bool) -> None:

@@ -47,8 +47,9 @@ class WorkerService:
             lanes.tpot_s = tenant.sla.tpot_ms / 1e3  # what the home's steps may yield is bounded by its TPOT target
         self.engine_of: dict[str, Engine] = {}  # request id -> the engine running it (home or a guest lane)
         self.tenants_by_name = {t.name: t for t in tenants.tenants} if tenants is not None else {tenant.name: tenant}
-        self._beat_now = asyncio.Event()  # a lane changed: heartbeat now (_report_lanes)
+        self._beat_now = asyncio.Event()  # heartbeat now: a lane changed (_report_lanes) or the backlog drained
         self._lanes_reported: frozenset[str] = frozenset()  # lanes accepting new sequences at the last heartbeat
+        self._prefill_reported = 0  # home prompt tokens not yet prefilled, as the last heartbeat said
         self.configured = set(self.tenants_by_name)
         self.p = settings.prefix
         self.worker_id = instance_id(f"worker-{device.id}")
@@ -291,10 +292,26 @@ class WorkerService:
                 loop.call_soon_threadsafe(self._after_step, self.engine, t0, t1, res, events)
             else:  # nothing for the loop: account here, without waking it
                 self._account(self.engine, t0, t1, res)
+            if res.prefill_tokens and self._backlog_drained():
+                loop.call_soon_threadsafe(self._beat_now.set)
             if (self.pending_ops or self.shell.stop.is_set() or not self.engine.has_work()
                     or (self.lanes is not None and self.lanes.lanes) or self.publish_q.qsize() >= PUBLISH_BACKLOG
                     or time.monotonic() - start > BURST_MAX_S):
                 return
+
+    def _backlog_drained(self) -> bool:
+        """On the compute thread after a home step that prefilled: the last heartbeat reported prompt tokens to
+        prefill and none are left (none waiting for the engine either). The next heartbeat then goes out now
+        (``HEARTBEAT_MIN_S`` later), not up to ``HEARTBEAT_S`` later: the scheduler's routing and the hand-off's fill
+        rule (``HandOffs._fill_target``) read the backlog from heartbeats, and a drained home that still reports its
+        last queue looks, for up to half a second, as if each of its steps carried a prompt chunk."""
+        if not self._prefill_reported or any(k == "add" and m.request.tenant == self.tenant.name
+                                             for k, m in self.pending_ops):
+            return False
+        if self.engine.prefill_backlog()[0]:
+            return False
+        self._prefill_reported = 0  # once per drain
+        return True
 
     def _publish_direct(self, events: list) -> list:
         """On the compute thread: publish a step's chunks here when none finishes a request and the loop has
@@ -561,6 +578,7 @@ class WorkerService:
         pending = self._pending_adds()
         home_pending = pending.get(None, [])
         backlog += sum(len(r.prompt_ids) for r in home_pending)
+        self._prefill_reported = backlog
         arrivals += [r.arrival_ts for r in home_pending if r.arrival_ts > 0]
         hb = WorkerHeartbeat(msg_id=uuid.uuid4().hex, device=self.device.id, worker_id=self.worker_id,
                              backend=self.device.backend, home_tenant=self.tenant.name, ts=time.time(),

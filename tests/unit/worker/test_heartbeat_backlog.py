@@ -69,3 +69,58 @@ async def test_the_heartbeat_counts_requests_waiting_for_the_engine():
     assert hb.queued == 2 and hb.queued_prefill_tokens == 100 + 256 + 64
     assert hb.prefill_oldest_ts == 5.0
     assert list(hb.guest_lanes[0]) == ["tb", 2, 80, True]  # the lane's own backlog and the request assigned to it
+    assert w._prefill_reported == 100 + 256 + 64  # what the drain check compares against
+
+
+class _Drained(_Engine):
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def prefill_backlog(self):
+        return self.left, []
+
+    def has_work(self):
+        return True
+
+
+def _drain_worker(reported: int, left: int, pending: list):
+    w = SimpleNamespace(engine=_Drained(left), _prefill_reported=reported, pending_ops=pending,
+                        tenant=SimpleNamespace(name="ta"))
+    w._backlog_drained = lambda: WorkerService._backlog_drained(w)
+    return w
+
+
+def test_a_drained_backlog_asks_for_a_heartbeat_once():
+    w = _drain_worker(300, 0, [])
+    assert w._backlog_drained() and not w._backlog_drained()  # once per drain; the next heartbeat re-arms it
+
+
+@pytest.mark.parametrize("reported,left,pending", [
+    (0, 0, []),  # the last heartbeat already said no backlog
+    (300, 40, []),  # prompt tokens still to prefill
+    (300, 0, [_assign("r1", "ta", 64, 1.0)]),  # a home request waits for the engine: the backlog is not empty
+])
+def test_no_early_heartbeat_while_the_reported_backlog_holds(reported, left, pending):
+    assert not _drain_worker(reported, left, pending)._backlog_drained()
+
+
+def test_a_lane_request_waiting_does_not_hold_the_home_backlog():
+    assert _drain_worker(300, 0, [_assign("r3", "tb", 30, 6.0)])._backlog_drained()
+
+
+def test_the_burst_sends_the_heartbeat_after_the_step_that_drained_the_backlog():
+    calls = []
+    w = _drain_worker(300, 0, [])
+    w.shell, w.lanes, w.publish_q = SimpleNamespace(stop=asyncio.Event()), None, SimpleNamespace(qsize=lambda: 0)
+    w._beat_now = SimpleNamespace(set=lambda: None)
+    w._step = lambda: SimpleNamespace(events=[], prefill_tokens=300)
+    w._publish_direct = lambda events: []
+    w._account = lambda *a: None
+    loop = SimpleNamespace(call_soon_threadsafe=lambda f, *a: calls.append(f))
+    w.pending_ops = [("cancel", SimpleNamespace(request_id="r9"))]  # ends the burst after one step
+    WorkerService._burst(w, loop)
+    assert calls == [w._beat_now.set]
+    w._prefill_reported, calls[:] = 300, []
+    w._step = lambda: SimpleNamespace(events=[], prefill_tokens=0)  # a decode-only step: nothing to check
+    WorkerService._burst(w, loop)
+    assert calls == []

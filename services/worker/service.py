@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 import threading
 import time
@@ -14,6 +15,9 @@ import structlog
 from prometheus_client import Counter, Gauge
 
 from shared.config import ClusterConfig, DeviceConfig, Settings, TenantConfig, TenantsConfig, env_number
+from shared.config_error import ConfigError
+from shared.costmodel import cost_for
+from shared.costmodel.sla import request_targets
 from shared.gmg import GMGStore, Refused, Reservation
 from shared.messages import (GROUP_WORKER, AssignRequest, CancelAssigned, HandOff, HandOffReply, LeaseGranted,
                              LeaseRevoked, RequestError, RequestFinished, RequestStarted, WorkerHeartbeat, WorkerMsg,
@@ -50,6 +54,7 @@ class WorkerService:
         self._beat_now = asyncio.Event()  # heartbeat now: a lane changed (_report_lanes) or the backlog drained
         self._lanes_reported: frozenset[str] = frozenset()  # lanes accepting new sequences at the last heartbeat
         self._prefill_reported = 0  # home prompt tokens not yet prefilled, as the last heartbeat said
+        self._no_deadline: set[str] = set()  # tenants whose model has no cost profile for this device's kind
         self.configured = set(self.tenants_by_name)
         self.p = settings.prefix
         self.worker_id = instance_id(f"worker-{device.id}")
@@ -392,9 +397,9 @@ class WorkerService:
         for kind, msg in ops:
             if kind == "add":
                 r = msg.request
+                eng = self.engine_of.get(r.request_id, self.engine)
                 try:
-                    self.engine_of.get(r.request_id, self.engine).add(r.request_id, list(r.prompt_ids),
-                                                                      sampling_params(r))
+                    eng.add(r.request_id, list(r.prompt_ids), sampling_params(r), self._first_token_due(eng, r))
                 except ValueError as e:
                     await self._end(r.request_id, "failed", error=(400, "invalid_request", str(e)))
                     continue
@@ -410,6 +415,27 @@ class WorkerService:
                 eng = self.engine_of.get(msg.request_id, self.engine)
                 if eng.cancel(msg.request_id) or msg.request_id in self.tracker.items:
                     await self._end(msg.request_id, "cancelled" if msg.reason != "worker_failed" else "failed")
+
+    def _first_token_due(self, eng: Engine, r) -> float:
+        """With ``SLICESCHED_DEADLINE_CHUNKS=1``: when ``r``'s first token is due (its arrival at the gateway plus
+        its TTFT target), and ``eng`` set to admit and chunk prompts by that deadline with its iterations priced by
+        the cost model of this device's kind (``shared/model/deadline.py``, as the simulator's
+        ``deadline_chunks``); ``inf`` (arrival order) otherwise or where the kind has no profile."""
+        spec = self.tenants_by_name.get(r.tenant)
+        if not self.s.deadline_chunks or spec is None:
+            return math.inf
+        if eng.deadline_step is None:
+            try:
+                cost = cost_for(spec.model.config, self.device.kind)
+            except ConfigError as e:
+                if r.tenant not in self._no_deadline:  # logged once per tenant
+                    self._no_deadline.add(r.tenant)
+                    log.warning("deadline_chunks_unavailable", tenant=r.tenant, kind=self.device.kind, error=str(e))
+                return math.inf
+            scale = getattr(eng, "time_scale", 1.0)  # an emulated engine's iterations last scale × the model's
+            eng.deadline_step = lambda *a: scale * cost.iteration_time(*a)
+        ttft = request_targets(spec.sla, spec.model.config, len(r.prompt_ids), r.max_tokens)[0]
+        return (r.arrival_ts if r.arrival_ts > 0 else time.time()) + ttft
 
     async def _publish_loop(self) -> None:
         """Publishes each step's tokens (one pipelined round trip) while the next step computes."""

@@ -8,6 +8,7 @@ sequence is admitted, so a running sequence never runs out of KV and nothing is 
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from shared.model.deadline import deadline_chunks
 from shared.model.batch import BatchContext, SeqChunk, build_context
 from shared.model.graph import segment_names
 from shared.model.llama import LlamaModel
@@ -92,6 +94,7 @@ class _Seq:
     hold: int = 0  # characters to hold back: longest stop string - 1
     prompt_t: torch.Tensor | None = None  # the prompt as a tensor (repetition penalty)
     last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
+    deadline: float = math.inf  # when its first token is due (clock of Engine.clock); deadline_step orders by it
 
     @property
     def prefilling(self) -> bool:
@@ -138,6 +141,11 @@ class Engine:
         self._paused: set[str] = set()  # running sequences left out of steps while they are being handed over
         # every id that ends generation: the tokenizer's EOS list and the model config's (generation_config.json)
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ()) | frozenset(model.cfg.eos_token_ids)
+        # deadline-aware chunked prefill (shared/model/deadline.py) while set: the predicted time of an iteration,
+        # (decode rows, their context, prefill tokens, query-key pairs, KV rows read, rows sampled) -> seconds;
+        # requests are then admitted and chunked by their first-token deadlines (add's ``deadline``, on ``clock``)
+        self.deadline_step: Callable[[int, int, int, int, int, int], float] | None = None
+        self.clock: Callable[[], float] = time.time
 
     # ---------------------------------------------------------------- capacity
     @property
@@ -182,8 +190,10 @@ class Engine:
         return sum(n for _, n in todo), [rid for rid, _ in todo]
 
     # ---------------------------------------------------------------- requests
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; it is admitted (KV reserved) as soon as blocks and a running slot are free.
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+            deadline: float = math.inf) -> None:
+        """Queue a request; it is admitted (KV reserved) as soon as blocks and a running slot are free. ``deadline``
+        (on :attr:`clock`) is when its first token is due; it orders admission and prefill under ``deadline_step``.
 
         ``ValueError`` for a duplicate id, an empty or out-of-vocabulary prompt, bad parameters, or a request that
         could never fit (longer than the model's positions or than the whole KV cache).
@@ -207,9 +217,10 @@ class Engine:
         if need > self.kv_blocks_total:
             raise ValueError(f"request needs {need} KV blocks, the cache has {self.kv_blocks_total}")
         params = replace(params, stop=tuple(s for s in params.stop if s))
-        self._waiting[request_id] = self._new_seq(request_id, prompt_ids, params,
-                                                  make_generator(params.seed) if params.temperature > 0 else None,
-                                                  IncrementalDetokenizer(self.tokenizer, prompt_ids))
+        seq = self._waiting[request_id] = self._new_seq(request_id, prompt_ids, params,
+                                                        make_generator(params.seed) if params.temperature > 0
+                                                        else None, IncrementalDetokenizer(self.tokenizer, prompt_ids))
+        seq.deadline = deadline
         self._admit()
 
     def cancel(self, request_id: str) -> bool:
@@ -285,7 +296,8 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running:
-            rid, seq = next(iter(self._waiting.items()))
+            rid, seq = (min(self._waiting.items(), key=lambda x: x[1].deadline) if self.deadline_step is not None
+                        else next(iter(self._waiting.items())))
             need = len(seq.prompt) + seq.params.max_tokens
             if not self.kv.allocator.can_allocate(need):
                 break
@@ -304,6 +316,15 @@ class Engine:
         if len(decoding) > len(plan):  # more decoders than the budget: serve them round-robin
             for seq, _ in plan:
                 self._running.move_to_end(seq.request_id)
+        step = self.deadline_step
+        if step is not None and budget:
+            n_dec, dec_kv = len(plan), sum(c.start + 1 for _, c in plan)
+            chunks = deadline_chunks(((s, s.computed, len(s.prompt) - s.computed, s.deadline)
+                                      for s in self._running.values() if s.prefilling and s.request_id not in paused),
+                                     budget, self.clock(),
+                                     lambda p, pairs, reads, done: step(n_dec, dec_kv, p, pairs, reads, n_dec + done))
+            plan += [(s, SeqChunk(s.request_id, s.computed, n)) for s, n in chunks]
+            return plan
         for seq in self._running.values():
             if budget and seq.prefilling and seq.request_id not in paused:
                 n = min(len(seq.prompt) - seq.computed, budget)

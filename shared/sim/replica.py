@@ -10,6 +10,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
+from shared.model.deadline import deadline_chunks
 from shared.costmodel.model_cost import ModelCost
 from shared.costmodel.offload import offloaded_iteration_time
 from shared.sim.request import DONE, RUNNING, SimRequest
@@ -73,8 +74,8 @@ class SimReplica:
     def oldest_pending(self) -> float:
         """Arrival time of the oldest request still waiting for its first token (inf if none)."""
         t = math.inf
-        if self.prefilling:
-            t = self.prefilling[0].arrival
+        if self.prefilling:  # admitted in arrival order, unless by deadline
+            t = min(r.arrival for r in self.prefilling) if self.cfg.deadline_chunks else self.prefilling[0].arrival
         if self.waiting and self.waiting[0].arrival < t:
             t = self.waiting[0].arrival
         return t
@@ -100,15 +101,20 @@ class SimReplica:
         return blocks * self.block_bytes
 
     def admit(self, now: float) -> None:
-        """Move waiting requests into the batch while KV memory and the sequence limit allow (FCFS)."""
+        """Move waiting requests into the batch while KV memory and the sequence limit allow (FCFS; earliest
+        first-token deadline first with ``deadline_chunks``)."""
         mem, limit = self.device.mem, self.cfg.max_num_seqs
+        by_deadline = self.cfg.deadline_chunks
         while self.waiting and len(self.prefilling) + len(self.decoding) < limit and not self.draining:
-            req = self.waiting[0]
+            req = min(self.waiting, key=lambda r: r.arrival + r.ttft_t) if by_deadline else self.waiting[0]
             need = self.kv_need(req)
             if not mem.try_alloc("kv", need, now):
                 if not (mem.make_room(need, now) and mem.try_alloc("kv", need, now)):
                     break
-            self.waiting.popleft()
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
             req.kv_bytes = need
             req.status = RUNNING
             self.prefilling.append(req)
@@ -150,12 +156,21 @@ class SimReplica:
         budget = self.cfg.max_batched_tokens - b
         chunks = self.step_chunks = []
         p_tok = pairs = reads = done_prompts = 0
-        for r in self.prefilling:
-            if budget <= 0:
-                break
-            q = min(r.input - r.prefilled, budget)
+        if self.cfg.deadline_chunks and len(self.prefilling) > 1:
+            cost, kv = self.cost, self.decode_kv
+            picked = deadline_chunks(((r, r.prefilled, r.input - r.prefilled, r.arrival + r.ttft_t)
+                                      for r in self.prefilling), budget, now,
+                                     lambda p, pr, rd, c: slow * cost.iteration_time(b, kv, p, pr, rd, b + c))
+        else:
+            picked = []
+            for r in self.prefilling:
+                if budget <= 0:
+                    break
+                q = min(r.input - r.prefilled, budget)
+                picked.append((r, q))
+                budget -= q
+        for r, q in picked:
             chunks.append((r, q))
-            budget -= q
             p_tok += q
             pairs += q * r.prefilled + q * (q + 1) // 2
             reads += r.prefilled + q

@@ -44,6 +44,9 @@ class SimConfig:
     drain_s: float = 300.0  # stop this long after the last arrival; unfinished requests count as failed
     timeline_points: int = 400
     guest_lanes: str = "exclusive"  # "exclusive": lane iterations take the whole device in turn; "fluid": older model
+    # prompts admitted and chunked by first-token deadline, a step cut short of a chunk that would make a prompt it
+    # completes late (shared/model/deadline.py; the workers' SLICESCHED_DEADLINE_CHUNKS)
+    deadline_chunks: bool = False
 
 
 class Simulator:
@@ -242,7 +245,8 @@ class Simulator:
         self._set_targets()
 
     def _set_targets(self) -> None:
-        """Price every arriving request's SLA targets (for an early stop, or a deadline-ordered placement)."""
+        """Price every arriving request's SLA targets (for an early stop, a deadline-ordered placement or
+        ``deadline_chunks``)."""
         for t in self.tenants_cfg.tenants:
             self._targets[t.name] = RequestTargets(t.sla, t.model.config, self.cfg.max_batched_tokens)
 
@@ -279,7 +283,7 @@ class Simulator:
     def _place(self, workload: Workload) -> None:
         placement = self.policy.initial_placement(self.snapshot, self.offered(workload))
         self.dynamic, self.weights_free = placement.dynamic_engines, placement.weights_free
-        if placement.sharing == "edf" and not self._targets:
+        if (placement.sharing == "edf" or self.cfg.deadline_chunks) and not self._targets:
             self._set_targets()
         for did, tenants in placement.assign.items():
             dev = self.devices[did]

@@ -35,7 +35,8 @@ def test_env_number_default_value_and_bounds():
 
 
 @pytest.mark.parametrize("name, raw", [("SLICESCHED_GATEWAY_PORT", "http"), ("SLICESCHED_METRICS_PORT", "x"),
-                                       ("SLICESCHED_METRICS_PORT", "-1"), ("SLICESCHED_DRAIN_S", "soon")])
+                                       ("SLICESCHED_METRICS_PORT", "-1"), ("SLICESCHED_DRAIN_S", "soon"),
+                                       ("SLICESCHED_DEADLINE_CHUNKS", "2"), ("SLICESCHED_DEADLINE_CHUNKS", "yes")])
 def test_settings_name_the_variable_that_is_wrong(name, raw):
     with pytest.raises(ConfigError) as ei:
         Settings.from_env({**BASE, name: raw})

@@ -17,8 +17,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from shared.model.deadline import deadline_chunks
 from shared.model.batch import BatchContext, SeqChunk, build_context
+from shared.model.deadline import deadline_chunks
 from shared.model.graph import segment_names
 from shared.model.llama import LlamaModel
 from shared.model.sampling import (SamplingOptions, apply_penalties, make_generator, sample_row, token_logprobs,

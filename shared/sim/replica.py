@@ -10,9 +10,9 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
-from shared.model.deadline import deadline_chunks
 from shared.costmodel.model_cost import ModelCost
 from shared.costmodel.offload import offloaded_iteration_time
+from shared.model.deadline import deadline_chunks
 from shared.sim.request import DONE, RUNNING, SimRequest
 
 if TYPE_CHECKING:

@@ -96,8 +96,9 @@ def point_summary(r: dict[str, Any]) -> dict[str, Any]:
     out = {k: r[k] for k in ("tokens_per_s", "violation_rate", "events", "wall_s", "leases", "cpu_s",
                              "stopped_early", "steering") if k in r}
     out.update(worst_tenant=worst[1], worst_tenant_violation_rate=worst[0], tenants=tenants)
-    if "total" in r and "device_utilization_mean" in r["total"]:
-        out["device_utilization_mean"] = r["total"]["device_utilization_mean"]
+    for k in ("device_utilization_mean", "device_busy_mean", "device_s_per_1k_tokens"):
+        if k in r.get("total", {}):
+            out[k] = r["total"][k]
     return out
 
 

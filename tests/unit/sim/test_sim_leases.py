@@ -64,6 +64,12 @@ def test_sequences_lease_stages_runs_on_the_guest_and_drains():
     assert not d1.lanes and not d1.hosted
     assert max(b for _, b in d1.mem.timeline) <= d1.mem.limit
     assert r.devices["d1"]["guest_utilization"] > 0
+    # the cluster's busy time counts the guest's lane work; the utilisation only each device's own
+    own = sum(v["utilization"] for v in r.devices.values()) / len(r.devices)
+    assert r.total["device_utilization_mean"] == pytest.approx(own)
+    assert r.total["device_busy_mean"] == pytest.approx(own + r.devices["d1"]["guest_utilization"] / len(r.devices))
+    busy_s = sum(d.busy_s + d.guest_busy_s for d in sim.devices.values())
+    assert r.total["device_s_per_1k_tokens"] == pytest.approx(busy_s / r.total["output_tokens"] * 1e3)
     # the lane's guest time is the lease's, counted per tenant; a lease with no segments offloads nothing
     assert r.leases["lane_busy_s"] == pytest.approx(sim.devices["d1"].guest_busy_s) and r.leases["guest_busy_s"] == 0
     assert r.leases["by_tenant"] == {"t0": {"granted": 1, "guest_busy_s": 0.0, "lane_busy_s": r.leases["lane_busy_s"]}}

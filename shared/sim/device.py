@@ -72,7 +72,7 @@ class SimDevice:
     """Runs one engine step at a time. ``sharing`` decides which ready engine goes next (see Placement)."""
 
     __slots__ = ("id", "kind", "host", "profile", "mem", "engines", "sharing", "weights", "cur", "cur_start",
-                 "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "hosted", "last_engine",
+                 "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "work_s", "hosted", "last_engine",
                  "quantum_used", "quantum", "schedule", "switch_cost", "state", "pending_switch_s", "switches",
                  "used_s",
                  "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin", "exclusive_lanes", "hist", "bins")
@@ -89,8 +89,9 @@ class SimDevice:
         self.cur_start = self.cur_end = self.cur_dur = 0.0
         self.version = 0
         self.rr = 0
-        self.busy_s = 0.0
-        self.guest_busy_s = 0.0
+        self.busy_s = 0.0  # own steps, as long as they ran (stretched by what they yielded to guests)
+        self.guest_busy_s = 0.0  # guest lanes' iterations
+        self.work_s = 0.0  # time the device worked: own steps without their stretch, lanes, offloaded segments
         self.hosted: list[SimLease] = []  # leases whose segments run here
         self.last_engine: SimReplica | None = None
         self.quantum_used = 0
@@ -119,7 +120,7 @@ class SimDevice:
         for name in SimDevice.__slots__:
             setattr(lane, name, getattr(self, name))
         lane.engines, lane.weights, lane.used_s, lane.hosted, lane.lanes = [], {}, {}, [], []
-        lane.cur, lane.version, lane.rr, lane.busy_s, lane.guest_busy_s = None, 0, 0, 0.0, 0.0
+        lane.cur, lane.version, lane.rr, lane.busy_s, lane.guest_busy_s, lane.work_s = None, 0, 0, 0.0, 0.0, 0.0
         lane.last_engine, lane.quantum_used, lane.switches, lane.switch_cost = None, 0, 0, None
         lane.sharing, lane.parent, lane.lease, lane.home_active = "exclusive", self, lease, False
         lane.hist = self.hist
@@ -314,6 +315,7 @@ class SimDevice:
         eng = self.cur
         assert eng is not None
         dur = now - self.cur_start
+        (self.parent or self).work_s += dur / eng.slowdown  # a stretched own step's extra time is its guests'
         if self.parent is not None:  # guest lane: its share of the step is guest time on the parent
             self.parent.guest_busy_s += dur / eng.slowdown
             if self.lease is not None:

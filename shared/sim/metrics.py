@@ -143,7 +143,7 @@ def collect(sim: "Simulator", workload: "Workload", window: float) -> SimResult:
     for d in sim.devices.values():
         m = d.mem
         devices[d.id] = {"kind": d.kind, "host": d.host, "utilization": d.busy_s / span,
-                         "guest_utilization": d.guest_busy_s / span, "busy_s": d.busy_s,
+                         "guest_utilization": d.guest_busy_s / span, "busy_s": d.busy_s, "work_s": d.work_s,
                          "memory_limit_bytes": m.limit, "memory_peak_bytes": m.peak,
                          "memory_peak_fraction": m.peak / m.capacity,
                          "tenants": sorted({e.tenant for e in d.engines}), "switches": d.switches}
@@ -165,12 +165,12 @@ def collect(sim: "Simulator", workload: "Workload", window: float) -> SimResult:
     links = {"staging_busy_s": book.link_busy_s, "staging_bytes": book.link_bytes}
     util = [v["utilization"] for v in devices.values()]
     total["device_utilization_mean"] = sum(util) / len(util) if util else 0.0  # own work only
-    # own and guest work (lane iterations, offloaded segments): how much of the cluster's time was spent at all,
-    # and per 1,000 output tokens (how the work per token moves with batching and placement)
-    busy = [v["utilization"] + v["guest_utilization"] for v in devices.values()]
-    total["device_busy_mean"] = sum(busy) / len(busy) if busy else 0.0
+    # the time devices worked, own and guest (lane iterations, offloaded segments; an own step stretched by what it
+    # yielded counts its own part only): how much of the cluster's time was spent, and per 1,000 output tokens
+    work = sum(d.work_s for d in sim.devices.values())
+    total["device_busy_mean"] = work / (span * len(devices)) if devices else 0.0
     tokens = total.get("output_tokens", 0)
-    total["device_s_per_1k_tokens"] = sum(busy) * span / tokens * 1e3 if tokens else None
+    total["device_s_per_1k_tokens"] = work / tokens * 1e3 if tokens else None
     total["memory_peak_fraction_max"] = max((v["memory_peak_fraction"] for v in devices.values()), default=0.0)
     return SimResult(policy=sim.policy.describe(), workload=workload.name, seed=workload.seed,
                      rate_scale=workload.rate_scale, window_s=window, end_s=end, events=sim.events,

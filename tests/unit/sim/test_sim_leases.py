@@ -64,12 +64,14 @@ def test_sequences_lease_stages_runs_on_the_guest_and_drains():
     assert not d1.lanes and not d1.hosted
     assert max(b for _, b in d1.mem.timeline) <= d1.mem.limit
     assert r.devices["d1"]["guest_utilization"] > 0
-    # the cluster's busy time counts the guest's lane work; the utilisation only each device's own
+    # the cluster's busy time counts the guest's lane work, as the anatomy's busy bins do; the utilisation only each
+    # device's own steps
     own = sum(v["utilization"] for v in r.devices.values()) / len(r.devices)
-    assert r.total["device_utilization_mean"] == pytest.approx(own)
-    assert r.total["device_busy_mean"] == pytest.approx(own + r.devices["d1"]["guest_utilization"] / len(r.devices))
-    busy_s = sum(d.busy_s + d.guest_busy_s for d in sim.devices.values())
-    assert r.total["device_s_per_1k_tokens"] == pytest.approx(busy_s / r.total["output_tokens"] * 1e3)
+    assert r.total["device_utilization_mean"] == pytest.approx(own) and own < r.total["device_busy_mean"]
+    assert r.devices["d1"]["work_s"] == pytest.approx(sim.devices["d1"].busy_s + sim.devices["d1"].guest_busy_s)
+    work = sum(v["work_s"] for v in r.devices.values())
+    assert r.total["device_busy_mean"] == pytest.approx(work / (max(r.end_s, r.window_s) * len(r.devices)))
+    assert r.total["device_s_per_1k_tokens"] == pytest.approx(work / r.total["output_tokens"] * 1e3)
     # the lane's guest time is the lease's, counted per tenant; a lease with no segments offloads nothing
     assert r.leases["lane_busy_s"] == pytest.approx(sim.devices["d1"].guest_busy_s) and r.leases["guest_busy_s"] == 0
     assert r.leases["by_tenant"] == {"t0": {"granted": 1, "guest_busy_s": 0.0, "lane_busy_s": r.leases["lane_busy_s"]}}
@@ -307,3 +309,21 @@ def test_lane_handback_evicts_cached_weights_at_a_full_home():
     assert moved and all(q.engine.device.id == "d0" for q in moved)
     assert r.leases["handed_back"] == len(moved)
     assert ("t9", "*") not in sim.devices["d0"].mem.staged
+
+
+def test_device_work_counts_a_stretched_own_step_once():
+    """A guest that yields part of its own steps to offloaded segments runs them stretched: its own busy time holds
+    the segments' share as well, so the time the device worked (own steps without the stretch, plus the segments) is
+    less than own busy plus guest busy, and equals what the anatomy's busy bins record."""
+    lane_work = [WorkloadRequest(f"a{i}", 0.2 + 0.01 * i, "t0", 500, 300) for i in range(8)]
+    own = [WorkloadRequest(f"b{i}", 0.1 + 0.01 * i, "t1", 200, 300) for i in range(4)]
+    c = small_cluster(2, 2)
+    t = small_tenants(c, ["llama-7b", "llama-7b"])
+    sim = Simulator(c, t, _OneLease("segments", 3.0), SimConfig(), random.Random(0))
+    sim.record_busy(0.25)
+    r = sim.run(Workload("stretch", tuple(lane_work + own), t, 5.0, 0))
+    d1 = sim.devices["d1"]
+    assert d1.guest_busy_s > 0 and d1.work_s < d1.busy_s + d1.guest_busy_s - 1e-3  # some own steps were stretched
+    for d in sim.devices.values():
+        assert d.work_s == pytest.approx(sum(d.bins.own) + sum(d.bins.guest))
+    assert r.total["device_busy_mean"] <= 1.0

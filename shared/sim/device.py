@@ -90,7 +90,7 @@ class SimDevice:
         self.version = 0
         self.rr = 0
         self.busy_s = 0.0  # own steps, as long as they ran (stretched by what they yielded to guests)
-        self.guest_busy_s = 0.0  # guest lanes' iterations
+        self.guest_busy_s = 0.0  # guests' work here: lane iterations, offloaded segments (SimLease.account)
         self.work_s = 0.0  # time the device worked: own steps without their stretch, lanes, offloaded segments
         self.hosted: list[SimLease] = []  # leases whose segments run here
         self.last_engine: SimReplica | None = None

@@ -315,13 +315,13 @@ def test_device_work_counts_a_stretched_own_step_once():
     """A guest that yields part of its own steps to offloaded segments runs them stretched: its own busy time holds
     the segments' share as well, so the time the device worked (own steps without the stretch, plus the segments) is
     less than own busy plus guest busy, and equals what the anatomy's busy bins record."""
-    lane_work = [WorkloadRequest(f"a{i}", 0.2 + 0.01 * i, "t0", 500, 300) for i in range(8)]
+    borrower = [WorkloadRequest(f"a{i}", 0.2 + 0.01 * i, "t0", 500, 300) for i in range(8)]
     own = [WorkloadRequest(f"b{i}", 0.1 + 0.01 * i, "t1", 200, 300) for i in range(4)]
     c = small_cluster(2, 2)
     t = small_tenants(c, ["llama-7b", "llama-7b"])
     sim = Simulator(c, t, _OneLease("segments", 3.0), SimConfig(), random.Random(0))
     sim.record_busy(0.25)
-    r = sim.run(Workload("stretch", tuple(lane_work + own), t, 5.0, 0))
+    r = sim.run(Workload("stretch", tuple(borrower + own), t, 5.0, 0))
     d1 = sim.devices["d1"]
     assert d1.guest_busy_s > 0 and d1.work_s < d1.busy_s + d1.guest_busy_s - 1e-3  # some own steps were stretched
     for d in sim.devices.values():

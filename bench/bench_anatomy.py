@@ -3,10 +3,11 @@
 Reads a simulated ``bench compare`` result (``--from``: its workload, cluster, partition, trace length and first
 reporting seed) and replays each policy in ``--policies`` at one rate scale — by default the largest scale at which
 ``slice`` stayed within the bound there — recording every device's busy time; each policy in ``--own-boundary``
-(default ``container``) also runs at its own boundary, to show how busy the cluster already is where it stops. For each policy it reports the
-violations by cause and tenant, how late the TTFT violations were, how busy the tenant's own container was during
-those waits, and how many device-equivalents stood idle outside it meanwhile (:mod:`shared.sim.anatomy`). All
-policies run at the same load, so the rows compare directly. Simulated only.
+(default ``container``) also runs at its own boundary, to show how busy the cluster already is where it stops. For
+each policy it reports the violations by cause and tenant, how late the TTFT violations were, how busy the tenant's
+own container was during those waits, and how many device-equivalents stood idle outside it meanwhile
+(:mod:`shared.sim.anatomy`). All policies run at the same load, so the rows compare directly; each prefills as it
+did in the source run (deadline-aware chunks for the policies in its ``deadline_chunks``). Simulated only.
 """
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def run_anatomy(args: argparse.Namespace) -> dict[str, Any]:
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     bad = [x for x in policies if x not in POLICIES or getattr(POLICIES.get(x), "analytic", False)]
     if bad or not policies:
-        raise ConfigError("(arguments)", "--policies", f"{','.join(bad) or '(none)'}: unknown or analytic policy; valid: "
-                          + ", ".join(n for n in POLICIES.names() if not getattr(POLICIES.get(n), "analytic", False)))
+        valid = [n for n in POLICIES.names() if not getattr(POLICIES.get(n), "analytic", False)]
+        raise ConfigError("(arguments)", "--policies", f"{','.join(bad) or '(none)'}: unknown or analytic policy; "
+                          f"valid: {', '.join(valid)}")
     cluster = load_cluster(spec["cluster"])
     todo = [(name, name, spec["scale"]) for name in policies]
     todo += [(f"{name} at its boundary", name, sc) for name, sc in spec["own"].items()]
@@ -105,8 +107,10 @@ def run_anatomy(args: argparse.Namespace) -> dict[str, Any]:
     for label, name, scale in todo:
         w = load_workload_file(spec["workload"], scale, spec["seed"], spec["duration_s"], spec["scale_mode"])
         t0 = time.perf_counter()
-        r = simulate(cluster, w, name, seed=spec["seed"], containers=spec["homes"], anatomy_bin_s=args.bin_s)
-        runs[label] = {"policy": name, "scale": scale, "tokens_per_s": r["tokens_per_s"],
+        chunks = name in (src.get("deadline_chunks") or ())  # each policy's prefill order in the source run
+        r = simulate(cluster, w, name, seed=spec["seed"], containers=spec["homes"], anatomy_bin_s=args.bin_s,
+                     deadline_chunks=chunks)
+        runs[label] = {"policy": name, "scale": scale, "deadline_chunks": chunks, "tokens_per_s": r["tokens_per_s"],
                        "violation_rate": r["violation_rate"], "worst_tenant": r["total"].get("worst_tenant"),
                        "worst_tenant_violation_rate": r["total"].get("worst_tenant_violation_rate"),
                        "wall_s": round(time.perf_counter() - t0, 1), **r["anatomy"]}

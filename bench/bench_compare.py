@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from loadgen.mix import SCALE_MODES
-from shared.argtypes import nonneg_int, positive_float, positive_int, seed_list
+from shared.argtypes import name_list, nonneg_int, positive_float, positive_int, seed_list
 from shared.config import ConfigError, load_cluster
 from bench.compare_search import CHILDREN, _Search, _Turns, passes  # noqa: F401  (CHILDREN, passes: re-exported)
 from bench.compare_summary import BOUNDS, captured, median_of, median_policies, ratios  # noqa: F401
 from shared.sim.metrics import MIN_TENANT_REQUESTS
 
 TUNING_SEEDS = (101, 102)  # arrival seeds the partition is planned on; never reported
+PLANNED_FOR = "container"  # the policy a planned partition is sized for (its engine setting plans it)
 
 # fidelity -> "module:function"; the function runs one point: (args, policy, scale, seed=..., stop_above=...) ->
 # result dict with at least tokens_per_s and violation_rate (and, where known, worst_tenant_violation_rate, tenants).
@@ -79,6 +80,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the policies that take it (slice) run with lane_handback true (on) or false (off): guest "
                         "lanes hand each prefilled sequence to the home device (docs/guest-execution.md); every "
                         "fidelity; default: the policy's own setting (on)")
+    p.add_argument("--deadline-chunks", type=name_list, default=(), metavar="POLICY[,POLICY...]",
+                   help="these policies run with deadline-aware chunked prefill (a prefill chunk goes to the "
+                        "waiting prompt whose first-token deadline comes first; docs/simulator.md), the others in "
+                        "arrival order: the simulator's --deadline-chunks, the meshes' SLICESCHED_DEADLINE_CHUNKS. "
+                        "With container among them the partition is also planned with it")
     p.add_argument("--reuse", action="append", default=[], metavar="POLICY=FILE",
                    help="take POLICY's searches from an earlier compare JSON instead of running them again (repeat "
                         "per policy); FILE must have the same workload, cluster, fidelity, seeds, duration, scale "
@@ -111,7 +117,7 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
         from services.cli.simulate import load_workload_file, simulate
         w = load_workload_file(args.workload, scale, seed, args.duration_s, getattr(args, "scale_mode", None))
         r = simulate(_cluster(args.cluster), w, policy, point_params(args, policy), seed=seed, containers=homes,
-                     stop_above=stop_above)
+                     stop_above=stop_above, deadline_chunks=chunks_for(args, policy))
         return point_summary(r)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
@@ -129,6 +135,8 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
             cmd += ["--scale-mode", args.scale_mode]
         if stop_above is not None:
             cmd += ["--stop-above", repr(stop_above)]
+        if chunks_for(args, policy):
+            cmd += ["--deadline-chunks"]
         cmd += [f"--param={k}={str(v).lower()}" for k, v in point_params(args, policy).items()]
         p = CHILDREN.run(cmd, Path(__file__).resolve().parents[1])
         if p.returncode != 0:
@@ -159,12 +167,14 @@ def resolve_containers(args: argparse.Namespace) -> tuple[dict[str, list[str]] |
         t0 = time.perf_counter()
         print(f"  planning containers on seeds {','.join(map(str, args.tuning_seeds))} ...", file=sys.stderr,
               flush=True)
+        chunks = chunks_for(args, PLANNED_FOR)
         _, plan = plan_for(args.workload, args.cluster, tuple(args.tuning_seeds), BOUNDS["9"], dur,
-                           getattr(args, "scale_mode", None))
+                           getattr(args, "scale_mode", None), deadline_chunks=chunks)
         homes = homes_of(cluster, plan.counts)
         return homes, {"mode": "plan", "homes": homes, "devices": plan.counts, "tuning_seeds": list(plan.seeds),
                        "planned_scale": plan.max_scale, "bound": plan.bound, "duration_s": dur,
-                       "simulations": plan.simulations, "wall_s": round(time.perf_counter() - t0, 1)}
+                       "deadline_chunks": chunks, "simulations": plan.simulations,
+                       "wall_s": round(time.perf_counter() - t0, 1)}
     w = load_workload_file(args.workload, 1.0, None, args.duration_s)
     h = homes_for(mode, cluster, w)
     homes = {t: list(ds) for t, ds in h.items()} if h is not None else None
@@ -281,6 +291,8 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
                            "wall_s": time.perf_counter() - t0, "per_seed": per_seed}
     if reused:
         res["reused"] = {p: f for p, f in (r.split("=", 1) for r in args.reuse)}
+    if getattr(args, "deadline_chunks", None):
+        res["deadline_chunks"] = sorted({p.split("/")[0] for p in policies if chunks_for(args, p)})
     if getattr(args, "lane_handback", None):
         res["lane_handback"] = {p: args.lane_handback for p in policies if handback_params(args, p)}
     res["ratio_to_container"] = median_of(per_seed, "ratio_to_container")
@@ -329,6 +341,14 @@ def reused_searches(args: argparse.Namespace,
         c = prev.get("containers") or {}
         if mode is not None and c.get("mode") != mode:
             raise ReuseError(f"--reuse {spec!r}: --containers differs ({c.get('mode')!r} there, {mode!r} here)")
+        was, now = policy in (prev.get("deadline_chunks") or ()), chunks_for(args, policy)
+        if was != now:
+            raise ReuseError(f"--reuse {spec!r}: {policy} ran {'with' if was else 'without'} --deadline-chunks there,"
+                             f" {'with' if now else 'without'} here")
+        if c.get("mode") == "plan" and bool(c.get("deadline_chunks")) != chunks_for(args, PLANNED_FOR):
+            how = "with" if c.get("deadline_chunks") else "without"
+            raise ReuseError(f"--reuse {spec!r}: the partition was planned {how} deadline-aware chunks "
+                             f"({PLANNED_FOR} in --deadline-chunks decides)")
         if c.get("mode") == "plan":
             dur = getattr(args, "plan_duration_s", None) or args.duration_s
             if c.get("tuning_seeds") != list(args.tuning_seeds) or c.get("duration_s") != dur:
@@ -350,6 +370,24 @@ def point_params(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     """Parameters a simulated point gives ``policy`` over the cluster file's: ``args.policy_params[policy]`` (set
     by ``bench tune`` for each candidate) and ``--lane-handback``."""
     return {**(getattr(args, "policy_params", None) or {}).get(policy, {}), **handback_params(args, policy)}
+
+
+def chunks_for(args: argparse.Namespace, policy: str) -> bool:
+    """Whether ``policy`` (or its ``/steering-*`` variant) runs with deadline-aware chunked prefill
+    (``--deadline-chunks``)."""
+    return policy.split("/")[0] in (getattr(args, "deadline_chunks", None) or ())
+
+
+def check_deadline_chunks(args: argparse.Namespace, policies: list[str]) -> str | None:
+    """Why ``--deadline-chunks`` cannot be honoured for ``policies`` (None when it can)."""
+    from shared.policies import POLICIES
+    names = {p.split("/")[0] for p in policies}
+    for name in getattr(args, "deadline_chunks", None) or ():
+        if name not in names:
+            return f"--deadline-chunks: {name} is not among --policies ({', '.join(policies)})"
+        if getattr(POLICIES.get(name), "analytic", False):
+            return f"--deadline-chunks: {name} is an analytic bound with no engine to chunk prefill in"
+    return None
 
 
 def handback_params(args: argparse.Namespace, policy: str) -> dict[str, Any]:
@@ -383,6 +421,9 @@ def run(args: argparse.Namespace) -> int:
         return _usage("--sim-steering is for the mesh fidelities (the simulator service steers a live scheduler)")
     if getattr(args, "lane_handback", None) and not any(handback_params(args, p) for p in policies):
         return _usage(f"--lane-handback: none of {', '.join(policies)} takes lane_handback (slice does)")
+    why = check_deadline_chunks(args, policies)
+    if why:
+        return _usage(why)
     if steering == "both":
         policies = [f"{p}/steering-{v}" for p in policies for v in ("on", "off")]
     if args.confirm is not None and args.confirm < 1:
@@ -419,6 +460,8 @@ def print_table(res: dict[str, Any]) -> None:
     many = len(res["seeds"]) > 1
     print(f"seeds {','.join(map(str, res['seeds']))}; containers: {res['containers']['mode']}" +
           (f" (planned on seeds {','.join(map(str, res['tuning_seeds']))})" if res.get("tuning_seeds") else ""))
+    if res.get("deadline_chunks"):
+        print(f"deadline-aware chunked prefill: {', '.join(res['deadline_chunks'])} (the others: arrival order)")
     print(f"{'policy':18s} {'scale@9%':>9s} {'tok/s@9%':>10s} {'x cont.':>14s} {'worst tenant':>12s} "
           f"{'scale@1%':>9s} {'tok/s@1%':>10s}")
     for name, r in res["policies"].items():

@@ -45,6 +45,22 @@ def steering_env(args: argparse.Namespace, policy: str) -> tuple[str, dict[str, 
     return name, ({"SLICESCHED_SIM_STEERING": "1" if mode == "on" else "0"} if mode in ("on", "off") else {})
 
 
+def point_env(args: argparse.Namespace, policy: str) -> tuple[str, dict[str, str]]:
+    """(the registered policy, the environment its mesh point adds): the scheduler's steering
+    (:func:`steering_env`), its policy parameters (``--lane-handback``: SLICESCHED_POLICY_PARAMS) and, with
+    ``--deadline-chunks``, the workers' prefill order (SLICESCHED_DEADLINE_CHUNKS 1 for the policies named, 0 for
+    the others; without the option the environment's)."""
+    from bench.bench_compare import chunks_for, handback_params
+    params = handback_params(args, policy)
+    chunks = chunks_for(args, policy)
+    name, env = steering_env(args, policy)
+    if params:
+        env = env | {"SLICESCHED_POLICY_PARAMS": json.dumps(params)}
+    if getattr(args, "deadline_chunks", None):
+        env = env | {"SLICESCHED_DEADLINE_CHUNKS": "1" if chunks else "0"}
+    return name, env
+
+
 def _scheduler_metrics(redis_url: str, prefix: str) -> tuple[dict[str, float], dict[str, float]]:
     """(lease counters, steering gauges) scraped from the scheduler's /metrics (found through its health key)."""
     r = syncredis.Redis.from_url(redis_url, socket_timeout=2)
@@ -98,11 +114,7 @@ def _point(args: argparse.Namespace, policy: str, scale: float, fidelity: str) -
     if bad:
         raise ConfigError(cluster.source, "devices", f"fidelity {fidelity!r} needs {'/'.join(sorted(want))} devices; "
                                                       f"{', '.join(bad)} are not")
-    from bench.bench_compare import handback_params
-    params = handback_params(args, policy)
-    policy, steer_env = steering_env(args, policy)
-    if params:  # the scheduler's policy parameters (--lane-handback)
-        steer_env = steer_env | {"SLICESCHED_POLICY_PARAMS": json.dumps(params)}
+    policy, steer_env = point_env(args, policy)
     if policy == "pooled-bound":
         raise ConfigError("--policies", "pooled-bound", "simulation-only bound: not run on a mesh")
     with tempfile.TemporaryDirectory(prefix=f"slicesched-{fidelity}-") as tmp:

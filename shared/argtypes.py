@@ -53,3 +53,13 @@ def seed_list(text: str) -> tuple[int, ...]:
     if len(set(out)) != len(out):
         raise argparse.ArgumentTypeError(f"seeds repeat: {text}")
     return out
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """A comma-separated list of distinct names, e.g. ``container,slice``."""
+    out = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not out:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of names, e.g. container,slice")
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"names repeat: {text}")
+    return out

@@ -76,6 +76,8 @@ def compare_command(workload: str, cluster: str, policies: Sequence[str], fideli
             argv += [f"--{key.replace('_', '-')}", ",".join(map(str, options[key]))]
     if isinstance(options.get("containers"), str):
         argv += ["--containers", options["containers"]]
+    if options.get("deadline_chunks"):
+        argv += ["--deadline-chunks", ",".join(options["deadline_chunks"])]
     argv += ["--json", display_path(json_out)]
     return shlex.join(argv)
 

@@ -123,7 +123,8 @@ def policy_table(res: Mapping[str, Any]) -> list[str]:
         w9, w1 = r.get("worst_tenant_violation_rate_9"), r.get("worst_tenant_violation_rate_1")
         wt9 = "–" if name == "pooled-bound" else f"{r.get('worst_tenant_9') or '–'} {pct(w9)}"
         wt1 = "–" if name == "pooled-bound" else f"{r.get('worst_tenant_1') or '–'} {pct(w1)}"
-        lines.append(f"| {name} | {fmt(r['max_scale_9'], '.3g')}{_range(r, 'max_scale_9', '.3g')} | "
+        label = f"{name} (deadline-aware chunks)" if name in (res.get("deadline_chunks") or ()) else name
+        lines.append(f"| {label} | {fmt(r['max_scale_9'], '.3g')}{_range(r, 'max_scale_9', '.3g')} | "
                      f"{fmt(r['tokens_per_s_9'], '.1f')} | {fmt(x9.get('9'))}{_range(x9, '9', '.2f')} |{c9} "
                      f"{pct(r.get('violation_rate'))} | {wt9} | {_leases(r.get('leases'))} | "
                      f"{fmt(r['max_scale_1'], '.3g')} | {fmt(r['tokens_per_s_1'], '.1f')} | "
@@ -139,7 +140,8 @@ def containers_lines(res: Mapping[str, Any]) -> list[str]:
     mode = c.get("mode", "homes")
     if mode == "plan":
         dev = c.get("devices") or {}
-        return [f"- containers: planned by `slicesched plan containers` on arrival seeds "
+        how = " with deadline-aware chunked prefill" if c.get("deadline_chunks") else ""
+        return [f"- containers: planned by `slicesched plan containers`{how} on arrival seeds "
                 f"{', '.join(map(str, c.get('tuning_seeds') or []))} (not reported), every tenant within 9% up to rate "
                 f"scale {fmt(c.get('planned_scale'), '.3g')} there; devices per tenant: "
                 + ", ".join(f"{t} {n}" for t, n in dev.items())]
@@ -419,8 +421,10 @@ def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
     if sims:
         m = next(iter(sims.values()))["meta"]
         seeds = next(iter(sims.values())).get("seeds") or []
+        chunks = sorted({p for r in sims.values() for p in r.get("deadline_chunks") or ()})
+        how = f" ({', '.join(chunks)} prefilling with deadline-aware chunks)" if chunks else ""
         lines += [f"**Simulated** {_setup(m)}: token throughput at ≤ 9% / ≤ 1% SLA violations (per request, in "
-                  f"aggregate and for every tenant), every policy on the same planned containers; "
+                  f"aggregate and for every tenant), every policy on the same planned containers{how}; "
                   + (f"median over arrival seeds {', '.join(map(str, seeds))} [range]" if len(seeds) > 1 else
                      f"one arrival seed ({', '.join(map(str, seeds))}), no median"), "",
                   "| workload | slice × container ≤9% | ≤1% | slice's worst tenant ≤9% | share of pooled-bound gain "

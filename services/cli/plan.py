@@ -35,6 +35,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     c.add_argument("--duration-s", type=positive_float, default=None, help="plan on the first D seconds only")
     c.add_argument("--scale-mode", choices=SCALE_MODES, default=None, help="how load is scaled (default: the file's)")
     c.add_argument("--tolerance", type=positive_float, default=0.03, help="bisection stop (hi/lo < 1 + tolerance)")
+    c.add_argument("--deadline-chunks", action="store_true",
+                   help="plan with deadline-aware chunked prefill in every replica (as simulate --deadline-chunks)")
     c.add_argument("--at-scale", type=positive_float, default=None,
                    help="instead: the fewest devices each tenant needs at this rate scale")
     c.add_argument("-o", "--out", default=None, help="write the containers file here")
@@ -50,11 +52,15 @@ def workload_factory(path: str, duration_s: float | None, scale_mode: str | None
 
 
 def plan_for(workload: str, cluster_path: str, seeds: tuple[int, ...], bound: float = 0.09,
-             duration_s: float | None = None, scale_mode: str | None = None, tolerance: float = 0.03):
-    """Plan the partition of ``cluster_path`` for ``workload`` (returns the cluster and the Plan)."""
+             duration_s: float | None = None, scale_mode: str | None = None, tolerance: float = 0.03,
+             deadline_chunks: bool = False):
+    """Plan the partition of ``cluster_path`` for ``workload`` (returns the cluster and the Plan), the containers'
+    replicas prefilling in arrival order or, with ``deadline_chunks``, first-token deadline first."""
+    from shared.sim import SimConfig
     from shared.sim.planner import ContainerPlanner
     cluster = load_cluster(cluster_path)
-    planner = ContainerPlanner(cluster, workload_factory(workload, duration_s, scale_mode), seeds, bound, tolerance)
+    planner = ContainerPlanner(cluster, workload_factory(workload, duration_s, scale_mode), seeds, bound, tolerance,
+                               sim_config=SimConfig(deadline_chunks=deadline_chunks))
     return cluster, planner.plan()
 
 
@@ -66,11 +72,13 @@ def homes_of(cluster, counts: dict[str, int]) -> dict[str, list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     from shared.containers import write_containers
+    from shared.sim import SimConfig
     from shared.sim.planner import ContainerPlanner, PlanError
     cluster = load_cluster(args.cluster)
     t0 = time.perf_counter()
     planner = ContainerPlanner(cluster, workload_factory(args.workload, args.duration_s, args.scale_mode),
-                               args.seeds, args.bound, args.tolerance)
+                               args.seeds, args.bound, args.tolerance,
+                               sim_config=SimConfig(deadline_chunks=args.deadline_chunks))
     try:
         if args.at_scale is not None:
             needs = planner.devices_for(args.at_scale)
@@ -91,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         meta = {"workload": args.workload, "cluster": args.cluster, "tuning_seeds": list(plan.seeds),
                 "bound": plan.bound, "max_scale": round(plan.max_scale, 4), "duration_s": args.duration_s,
-                "scale_mode": args.scale_mode, "devices": plan.counts, "date": dt.date.today().isoformat()}
+                "scale_mode": args.scale_mode, "deadline_chunks": args.deadline_chunks, "devices": plan.counts, "date": dt.date.today().isoformat()}
         cmd = shlex.join(["slicesched", "plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else ""
         write_containers(args.out, homes_of(cluster, plan.counts), meta,
                          header=f"# planned by: {cmd}" if cmd else "")

@@ -41,6 +41,26 @@ def test_the_results_command_names_a_non_default_count_of_real_runs():
     assert real_runs(p.parse_args(["--quick"])) == 1
 
 
+def test_the_commands_name_the_policies_run_with_deadline_aware_chunks(capsys):
+    import argparse
+
+    from bench.bench_results import configure, results_command
+    p = argparse.ArgumentParser()
+    configure(p)
+    args = p.parse_args(["--only", "sim", "--deadline-chunks", "container"])
+    assert shlex.split(results_command(args))[-2:] == ["--deadline-chunks", "container"]
+    assert "--deadline-chunks" not in results_command(p.parse_args(["--only", "sim"]))
+    cmd = compare_command("w.yaml", "c.yaml", ["container", "slice"], "sim", "o.json",
+                          {"deadline_chunks": ("container",)})
+    argv = shlex.split(cmd)
+    assert argv[argv.index("--deadline-chunks") + 1] == "container"
+    from services.cli.main import main
+    assert main(["bench", "results", "--only", "sim", "--deadline-chunks", "pooled-bound", "--out",
+                 "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--deadline-chunks" in err[0] and "pooled-bound" in err[0]
+
+
 def test_the_commit_says_when_the_code_differs_from_it_but_not_for_the_docs(tmp_path):
     import subprocess
 

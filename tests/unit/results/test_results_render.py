@@ -161,6 +161,20 @@ def test_a_confirmed_search_says_so_above_its_table():
     assert "passed 2 replays" in policy_table(dict(res, confirm=2))[0]
 
 
+def test_a_policy_run_with_deadline_aware_chunks_is_labelled_so():
+    from bench.results.render import containers_lines, policy_table
+    r = {"max_scale_9": 4.0, "tokens_per_s_9": 180.0, "max_scale_1": 3.0, "tokens_per_s_1": 100.0,
+         "violation_rate": 0.02}
+    res = {"policies": {"container": r, "slice": r}, "ratio_to_container": {"container": {"9": 1.0, "1": 1.0}},
+           "deadline_chunks": ["container"],
+           "containers": {"mode": "plan", "deadline_chunks": True, "tuning_seeds": [101], "devices": {"a": 1}}}
+    rows = policy_table(res)
+    assert any(x.startswith("| container (deadline-aware chunks) |") for x in rows)
+    assert any(x.startswith("| slice |") for x in rows)
+    assert "with deadline-aware chunked prefill on arrival seeds 101" in containers_lines(res)[0]
+    assert "deadline" not in containers_lines(dict(res, containers=dict(res["containers"], deadline_chunks=False)))[0]
+
+
 def _anatomy_run(policy, scale, viol, ttft, idle_p50, with_idle, own, guest, granted):
     pc = {"p50": None, "p90": None, "mean": None}
     return {"policy": policy, "scale": scale, "violation_rate": viol, "by_cause": {"ttft": ttft, "tpot": 2,

@@ -67,22 +67,27 @@ def test_anatomy_counts_lane_time_as_guest_busy_under_slice():
         pytest.approx(sum(d.guest_busy_s for d in sim.devices.values()))
 
 
-def _compare_result(path, fidelity="sim"):
+def _compare_result(path, fidelity="sim", **extra):
     path.write_text(json.dumps({
         "workload": "configs/workloads/azure-16mix-a1.3.yaml", "cluster": "configs/cluster-h100x32.yaml",
         "fidelity": fidelity, "policies": ["container", "slice"], "seeds": [1], "duration_s": 4.0,
         "containers": {"mode": "homes"},
-        "per_seed": {"1": {"policies": {"container": {"max_scale_9": 2.0}, "slice": {"max_scale_9": 3.0}}}}}))
+        "per_seed": {"1": {"policies": {"container": {"max_scale_9": 2.0}, "slice": {"max_scale_9": 3.0}}}},
+        **extra}))
     return path
 
 
 def test_bench_anatomy_replays_both_policies_at_slices_boundary(tmp_path):
-    src = _compare_result(tmp_path / "sim-x.json")
+    """Both policies at slice's boundary and container at its own, each prefilling as in the source run
+    (here container with deadline-aware chunks)."""
+    src = _compare_result(tmp_path / "sim-x.json", deadline_chunks=["container"])
     out = tmp_path / "anatomy-x.json"
     assert main(["bench", "anatomy", "--from", str(src), "--json", str(out)]) == 0
     a = json.loads(out.read_text())
     assert a["scale"] == 3.0 and set(a["runs"]) == {"container", "slice", "container at its boundary"}
     assert a["runs"]["container at its boundary"]["scale"] == 2.0 and a["runs"]["slice"]["policy"] == "slice"
+    assert {k: r["deadline_chunks"] for k, r in a["runs"].items()} == {
+        "container": True, "container at its boundary": True, "slice": False}
     assert a["meta"]["command"].startswith("slicesched bench anatomy --from ")
 
 

@@ -476,3 +476,76 @@ def test_bench_tune_stops_every_search_on_an_interrupt(files, monkeypatch):
         assert len(calls) == 3
     finally:
         CHILDREN.stopping.clear()
+
+
+def test_deadline_chunks_per_policy_in_bench_compare(files, capsys, monkeypatch):
+    """``--deadline-chunks container`` runs container's points (and the plan sized for it) with deadline-aware
+    chunked prefill and the other policies in arrival order; the JSON says which; a point in a subprocess gets
+    ``--deadline-chunks``; a mesh point gets SLICESCHED_DEADLINE_CHUNKS 1 or 0; bad names are one-line errors."""
+    import services.cli.simulate as simulate_mod
+    import shared.sim.planner as planner_mod
+    from bench import bench_compare
+    from bench.compare_mesh import point_env
+    seen, planned = [], []
+    real_sim, real_sim_cls = simulate_mod.simulate, planner_mod.Simulator
+
+    def spy(cluster, w, policy, *a, **k):
+        seen.append((policy, k.get("deadline_chunks")))
+        return real_sim(cluster, w, policy, *a, **k)
+
+    def spy_cls(cluster, tenants, policy, cfg, rng):
+        planned.append(cfg.deadline_chunks)
+        return real_sim_cls(cluster, tenants, policy, cfg, rng)
+    monkeypatch.setattr(simulate_mod, "simulate", spy)
+    monkeypatch.setattr(planner_mod, "Simulator", spy_cls)
+    out = files / "dc.json"
+    base = ["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+            "--duration-s", "20", "--tolerance", "0.3", "--start-scale", "8", "--seeds", "1", "--tuning-seeds", "7"]
+    assert main([*base, "--policies", "container,slice", "--deadline-chunks", "container", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["deadline_chunks"] == ["container"] and r["containers"]["deadline_chunks"] is True
+    assert planned and all(planned)
+    assert {p for p, c in seen if c} == {"container"} and {p for p, c in seen if not c} == {"slice"}
+    assert "deadline-aware chunked prefill: container" in capsys.readouterr().out
+    # the partition planned with the chunks and container's searches cannot be reused by a run without them
+    assert main([*base, "--policies", "container,slice", "--reuse", f"container={out}"]) == 2
+    assert "container ran with --deadline-chunks there, without here" in _one_line_error(capsys)
+    for chunks, needle in (("slice", "slice is not among --policies"), ("pooled-bound", "analytic bound")):
+        assert main([*base, "--policies", "container,pooled-bound", "--deadline-chunks", chunks]) == 2
+        assert needle in _one_line_error(capsys), chunks
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--policies", "container", "--deadline-chunks", "container,container"])
+    assert e.value.code == 2 and "names repeat" in capsys.readouterr().err
+    cmds = []
+    monkeypatch.setattr(bench_compare.CHILDREN, "run", lambda cmd, cwd: (
+        cmds.append(cmd), argparse.Namespace(returncode=1, stderr="stopped"))[1])
+    args = argparse.Namespace(jobs=2, cluster="c.yaml", workload="w.yaml", duration_s=None, homes=None,
+                              deadline_chunks=("container",))
+    for policy in ("container", "slice"):
+        with pytest.raises(RuntimeError):
+            bench_compare.run_sim_point(args, policy, 2.0, seed=1)
+    assert ["--deadline-chunks" in c for c in cmds] == [True, False]
+    args = argparse.Namespace(sim_steering=None, lane_handback=None, deadline_chunks=("slice",))
+    assert point_env(args, "slice") == ("slice", {"SLICESCHED_DEADLINE_CHUNKS": "1"})
+    assert point_env(args, "container") == ("container", {"SLICESCHED_DEADLINE_CHUNKS": "0"})
+    assert point_env(argparse.Namespace(sim_steering=None, lane_handback=None), "slice") == ("slice", {})
+
+
+def test_plan_containers_with_deadline_chunks(files, monkeypatch):
+    """``plan containers --deadline-chunks`` simulates every replica with deadline-aware chunks and says so in the
+    file's plan block."""
+    import shared.sim.planner as planner_mod
+    planned, real_sim_cls = [], planner_mod.Simulator
+
+    def spy_cls(cluster, tenants, policy, cfg, rng):
+        planned.append(cfg.deadline_chunks)
+        return real_sim_cls(cluster, tenants, policy, cfg, rng)
+    monkeypatch.setattr(planner_mod, "Simulator", spy_cls)
+    for flag, want in (([], False), (["--deadline-chunks"], True)):
+        out = files / f"c{want}.yaml"
+        planned.clear()
+        assert main(["plan", "containers", "--workload", str(files / "w.yaml"), "--cluster",
+                     str(files / "cluster.yaml"), "--seeds", "5", "--duration-s", "20", "--tolerance", "0.3",
+                     "-o", str(out), *flag]) == 0
+        assert planned and set(planned) == {want}
+        assert yaml.safe_load(out.read_text())["plan"]["deadline_chunks"] is want

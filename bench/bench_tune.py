@@ -5,7 +5,9 @@ cartesian product) this searches, on each workload and each tuning seed, the lar
 within the bound (the same search and rule as ``bench compare``: aggregate and every tenant with ≥ 100 requests),
 from the same planned partition ``bench compare`` would give every policy (planned on the same tuning seeds), and
 ranks the candidates by the geometric mean over workloads of their median scale over the seeds. ``container`` is
-searched on the same points as the yardstick (``× container``). The winner goes into the cluster file's
+searched on the same points as the yardstick (``× container``), prefilling in arrival order. The grid key
+``deadline_chunks`` (true/false) is the engine's prefill order for the tuned policy (as ``bench compare
+--deadline-chunks``), not a policy parameter; the partition is planned in arrival order either way. The winner goes into the cluster file's
 ``policies.<name>`` by hand, with the command in a comment: ``bench compare`` and the live scheduler read it there.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shared.argtypes import positive_float, positive_int, seed_list
 from shared.config import ConfigError, load_cluster
 
 REFERENCE = "container"
+ENGINE_KEYS = ("deadline_chunks",)  # grid keys that set the engine a policy runs on, not the policy's parameters
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -66,11 +69,19 @@ def candidates(policy: str, grid: list[str]) -> list[dict[str, Any]]:
         axes.append((key, [parse_params([f"{key}={v}"])[key] for v in values.split(",")]))
     out = [dict(zip([k for k, _ in axes], combo)) for combo in itertools.product(*[vs for _, vs in axes])]
     for params in out:
+        bad = [k for k in ENGINE_KEYS if k in params and not isinstance(params[k], bool)]
+        if bad:
+            raise ConfigError("--grid", f"{bad[0]}={params[bad[0]]}", "expected true or false")
         try:
-            make_policy(policy, params)
+            make_policy(policy, policy_part(params))
         except (PolicyConfigError, TypeError, ValueError) as e:
             raise ConfigError("--grid", ",".join(f"{k}={v}" for k, v in params.items()), str(e)) from None
     return out
+
+
+def policy_part(params: dict[str, Any]) -> dict[str, Any]:
+    """A candidate's policy parameters (without the engine keys)."""
+    return {k: v for k, v in params.items() if k not in ENGINE_KEYS}
 
 
 def _label(params: dict[str, Any]) -> str:
@@ -90,7 +101,8 @@ def search_one(ns: argparse.Namespace, policy: str, params: dict[str, Any], seed
     """The largest scale ``policy`` with ``params`` sustains within ``bound`` on one workload and seed."""
     from bench.bench_compare import run_sim_point
     from bench.compare_search import CHILDREN, _Search
-    mine = argparse.Namespace(**{**vars(ns), "policy_params": {policy: params}})
+    mine = argparse.Namespace(**{**vars(ns), "policy_params": {policy: policy_part(params)},
+                                 "deadline_chunks": (policy,) if params.get("deadline_chunks") else ()})
 
     def at(scale: float, b: float) -> dict[str, Any]:
         if CHILDREN.stopping.is_set():

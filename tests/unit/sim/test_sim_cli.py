@@ -416,12 +416,35 @@ def test_bench_tune_ranks_candidates_against_container_on_the_same_points(files,
 
 
 @pytest.mark.parametrize("grid, field", [("bogus=1", "bogus"), ("min_deficit=x", "must be a number"),
-                                         ("min_deficit", "KEY=V1,V2"), ("min_deficit=1,,2", "KEY=V1,V2")])
+                                         ("min_deficit", "KEY=V1,V2"), ("min_deficit=1,,2", "KEY=V1,V2"),
+                                         ("deadline_chunks=maybe", "expected true or false")])
 def test_bench_tune_refuses_a_bad_grid_naming_it(files, capsys, grid, field):
     rc = main(["bench", "tune", "--policy", "container-realloc", "--grid", grid, "--workloads",
                str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml")])
     err = _one_line_error(capsys)
     assert rc == 2 and "--grid" in err and field in err
+
+
+def test_bench_tune_takes_the_engines_prefill_order_as_a_grid_key(files, monkeypatch):
+    """``--grid deadline_chunks=false,true`` tunes the engine's prefill order, not a policy parameter: the false
+    candidate of ``container`` is the reference itself (the same scale on every point), the true one runs its
+    points with deadline-aware chunks and the policy never sees the key."""
+    import services.cli.simulate as simulate_mod
+    seen, real_sim = [], simulate_mod.simulate
+
+    def spy(cluster, w, policy, params=None, *a, **k):
+        seen.append((policy, dict(params or {}), k.get("deadline_chunks")))
+        return real_sim(cluster, w, policy, params, *a, **k)
+    monkeypatch.setattr(simulate_mod, "simulate", spy)
+    out = files / "tune.json"
+    assert main(["bench", "tune", "--policy", "container", "--grid", "deadline_chunks=false,true", "--workloads",
+                 str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"), "--seeds", "7", "--duration-s",
+                 "20", "--tolerance", "0.3", "--start-scale", "8", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    w = str(files / "w.yaml")
+    cands = {c["params"]["deadline_chunks"]: c for c in r["candidates"]}
+    assert cands[False]["max_scale"][w] == r["reference"]["max_scale"][w] > 0
+    assert {c for _, _, c in seen} == {True, False} and all("deadline_chunks" not in p for _, p, _ in seen)
 
 
 def test_a_points_parameters_are_the_candidates_and_the_lane_setting():

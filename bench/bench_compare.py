@@ -29,6 +29,7 @@ from bench.compare_summary import BOUNDS, captured, median_of, median_policies, 
 from shared.sim.metrics import MIN_TENANT_REQUESTS
 
 TUNING_SEEDS = (101, 102)  # arrival seeds the partition is planned on; never reported
+MODES = ("plan", "homes", "sized")  # --containers other than a file
 PLANNED_FOR = "container"  # the policy a planned partition is sized for (its engine setting plans it)
 
 # fidelity -> "module:function"; the function runs one point: (args, policy, scale, seed=..., stop_above=...) ->
@@ -339,24 +340,27 @@ def reused_searches(args: argparse.Namespace,
             if v != mine.get(k):
                 raise ReuseError(f"--reuse {spec!r}: --{k.replace('_', '-')} differs ({v!r} there, {mine[k]!r} here)")
         c = prev.get("containers") or {}
-        if mode is not None and c.get("mode") != mode:
+        if mode in MODES and c.get("mode") != mode:
             raise ReuseError(f"--reuse {spec!r}: --containers differs ({c.get('mode')!r} there, {mode!r} here)")
+        if mode is not None and mode not in MODES and file_homes(args, mode) != c.get("homes"):
+            raise ReuseError(f"--reuse {spec!r}: --containers {mode} gives other devices than the partition there")
         was, now = policy in (prev.get("deadline_chunks") or ()), chunks_for(args, policy)
         if was != now:
             raise ReuseError(f"--reuse {spec!r}: {policy} ran {'with' if was else 'without'} --deadline-chunks there,"
                              f" {'with' if now else 'without'} here")
-        if c.get("mode") == "plan" and bool(c.get("deadline_chunks")) != chunks_for(args, PLANNED_FOR):
+        if mode == "plan" and bool(c.get("deadline_chunks")) != chunks_for(args, PLANNED_FOR):
             how = "with" if c.get("deadline_chunks") else "without"
             raise ReuseError(f"--reuse {spec!r}: the partition was planned {how} deadline-aware chunks "
                              f"({PLANNED_FOR} in --deadline-chunks decides)")
-        if c.get("mode") == "plan":
+        if mode == "plan":
             dur = getattr(args, "plan_duration_s", None) or args.duration_s
             if c.get("tuning_seeds") != list(args.tuning_seeds) or c.get("duration_s") != dur:
                 raise ReuseError(f"--reuse {spec!r}: the partition was planned on seeds {c.get('tuning_seeds')} over "
                                  f"{c.get('duration_s')} s, this run plans on {list(args.tuning_seeds)} over {dur} s")
-        if isinstance(getattr(args, "containers", None), Mapping) and dict(args.containers) != c:
+        if isinstance(getattr(args, "containers", None), Mapping) and args.containers.get("homes") != c.get("homes"):
             raise ReuseError(f"--reuse {spec!r}: its partition differs from another --reuse file's")
-        args.containers = c
+        if mode is not None:  # the first file: its partition (with how it was made), the containers file named
+            args.containers = c if mode in MODES else dict(c, file=mode)
         for seed in seeds_of(args):
             r = (prev.get("per_seed") or {}).get(str(seed), {}).get("policies", {}).get(policy)
             if r is None:
@@ -364,6 +368,13 @@ def reused_searches(args: argparse.Namespace,
             runs = [x for x in prev.get("runs", []) if x.get("policy") == policy and x.get("seed") == seed]
             out[(seed, policy)] = (r, runs)
     return out
+
+
+def file_homes(args: argparse.Namespace, path: str) -> dict[str, list[str]]:
+    """The devices per tenant of the containers file ``path`` (as a JSON result records them)."""
+    from services.cli.simulate import homes_for, load_workload_file
+    w = load_workload_file(args.workload, 1.0, None, 1.0)
+    return {t: list(ds) for t, ds in (homes_for(path, _cluster(args.cluster), w) or {}).items()}
 
 
 def point_params(args: argparse.Namespace, policy: str) -> dict[str, Any]:
@@ -441,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
     load_cluster(args.cluster)
     if not Path(args.workload).is_file():
         raise ConfigError(args.workload, "(file)", "workload file not found")
-    if mode not in ("plan", "homes", "sized") and not Path(mode).is_file():
+    if mode not in MODES and not Path(mode).is_file():
         raise ConfigError(mode, "(file)", "containers file not found")
     try:
         res = compare(args, policies)

@@ -166,6 +166,21 @@ def test_bench_compare_reuses_an_unchanged_policys_searches(files, capsys, monke
         assert main(args) == 2 and named in _one_line_error(capsys), extra
     assert main([*base, "--policies", "slice", "--reuse", f"container={first}"]) == 2
     assert "not among --policies" in _one_line_error(capsys)
+    # a containers file with the same devices per tenant stands for the partition there; other devices do not
+    from shared.containers import write_containers
+    homes = prev["containers"]["homes"]
+    write_containers(files / "same.yaml", homes)
+    third = files / "third.json"
+    assert main([*base, "--policies", "container", "--containers", str(files / "same.yaml"), "--reuse",
+                 f"container={first}", "--json", str(third)]) == 0
+    r3 = json.loads(third.read_text())
+    assert r3["containers"]["homes"] == homes and r3["containers"]["file"] == str(files / "same.yaml")
+    swapped = dict(zip(homes, reversed(list(homes.values()))))
+    assert swapped != homes
+    write_containers(files / "other.yaml", swapped)
+    assert main([*base, "--policies", "container", "--containers", str(files / "other.yaml"), "--reuse",
+                 f"container={first}"]) == 2
+    assert "gives other devices than the partition there" in _one_line_error(capsys)
     assert main([*base, "--policies", "container", "--reuse", "container"]) == 2
     assert "POLICY=FILE" in _one_line_error(capsys)
 

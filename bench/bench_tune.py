@@ -1,13 +1,13 @@
 """``slicesched bench tune``: tune a policy's parameters on arrival seeds that are never reported.
 
-A baseline is only as fair as its parameters. For every candidate of a grid (``--grid KEY=V1,V2 ...``, the
-cartesian product) this searches, on each workload and each tuning seed, the largest rate scale the policy sustains
-within the bound (the same search and rule as ``bench compare``: aggregate and every tenant with ≥ 100 requests),
-from the same planned partition ``bench compare`` would give every policy (planned on the same tuning seeds), and
-ranks the candidates by the geometric mean over workloads of their median scale over the seeds. ``container`` is
-searched on the same points as the yardstick (``× container``), prefilling in arrival order. The grid key
-``deadline_chunks`` (true/false) is the engine's prefill order for the tuned policy (as ``bench compare
---deadline-chunks``), not a policy parameter; the partition is planned in arrival order either way. The winner goes into the cluster file's
+A baseline is only as fair as its parameters. For every candidate of a grid (``--grid KEY=V1,V2 ...``, the cartesian
+product) this searches, on each workload and each tuning seed, the largest rate scale the policy sustains within the
+bound (the same search and rule as ``bench compare``: aggregate and every tenant with ≥ 100 requests), from the same
+planned partition ``bench compare`` would give every policy (planned on the same tuning seeds), and ranks the
+candidates by the geometric mean over workloads of their median scale over the seeds. ``container`` is searched on
+the same points as the yardstick (``× container``), prefilling in arrival order. The grid key ``deadline_chunks``
+(true/false) is the engine's prefill order for the tuned policy (as ``bench compare --deadline-chunks``), not a
+policy parameter; the partition is planned in arrival order either way. The winner goes into the cluster file's
 ``policies.<name>`` by hand, with the command in a comment: ``bench compare`` and the live scheduler read it there.
 """
 from __future__ import annotations

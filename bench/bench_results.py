@@ -8,9 +8,11 @@ plus a ``meta`` block: fidelity label, machine, date, exact command, wall time) 
 * ``emulated``: container vs slice on the emulated 8-device mesh (``emulated.json/png``), the simulator's
   prediction for the same workload and cluster (``emulated-prediction.json/png``), and a device busy-time
   timeline under slice (``emulated-timeline.json/png``);
-* ``real``: container vs slice on the real 2-device CPU mesh (``real.json/png``, ``real-timeline.json/png``), run
-  ``--real-runs`` times (default 3, ``--quick`` 1; the method reads the median): the second and later runs go to
-  ``real-run2.json``, ``real-run3.json``, … and a new first run removes the files of an earlier invocation.
+* ``real``: container vs slice on the real 2-device CPU mesh (``real.json/png``, ``real-timeline.json/png``).
+
+Each mesh search runs ``--emulated-runs`` / ``--real-runs`` times (default 3, ``--quick`` 1; the method reads the
+median): the second and later runs go to ``<part>-run2.json``, ``<part>-run3.json``, … and a new first run removes
+the files of an earlier invocation. The prediction is computed once (the simulator is deterministic).
 
 Then docs/results.md and the README block between ``<!-- results:begin -->`` and ``<!-- results:end -->`` are
 rendered from every JSON present in ``--out`` (so one part can be rerun alone). ``--quick`` runs a smoke version of
@@ -40,6 +42,7 @@ SIM_POLICIES = "container,container-avgwork,container-realloc,muxserve,token-poo
 EMULATED = ("configs/workloads/emulated-6mix.yaml", "configs/cluster-emulated8.yaml")
 REAL = ("configs/workloads/tiny-bursty.yaml", "configs/cluster-tiny.yaml")
 MESH_POLICIES = ("container", "slice")
+MESH_PARTS = ("emulated", "real")
 PNG_MAX_BYTES = 150_000
 
 
@@ -82,8 +85,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline-chunks", type=name_list, default=(), metavar="POLICY[,POLICY...]",
                    help="these policies run with deadline-aware chunked prefill in every part that runs them (bench "
                         "compare --deadline-chunks; with container among them the partitions are planned with it)")
-    p.add_argument("--real-runs", type=positive_int, default=None,
-                   help="runs of the real part; the target reads their median (default 3; --quick: 1)")
+    for part in MESH_PARTS:
+        p.add_argument(f"--{part}-runs", type=positive_int, default=None,
+                       help=f"runs of the {part} part's search; the targets read their median (default 3; --quick: 1)")
     p.add_argument("--render-only", action="store_true", help="only re-render the pages from the JSON in --out")
 
 
@@ -100,7 +104,7 @@ def results_command(args: argparse.Namespace) -> str:
                                  ("--sim-policies", args.sim_policies, SIM_POLICIES),
                                  ("--sim-seeds", ",".join(map(str, args.sim_seeds)) if args.sim_seeds else None, None),
                                  ("--deadline-chunks", ",".join(getattr(args, "deadline_chunks", ())) or None, None),
-                                 ("--real-runs", getattr(args, "real_runs", None), None)):
+                                 *((f"--{m}-runs", getattr(args, f"{m}_runs", None), None) for m in MESH_PARTS)):
         if value != default:
             argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return shlex.join(argv)
@@ -232,18 +236,18 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
     if fidelity == "emulated":  # predicted on the containers the mesh ran
         compare_part(wl, cluster, list(MESH_POLICIES), "sim", s, args.jobs, out / "emulated-prediction.json", cmd,
                      args.quick, containers=planned, chunks=chunks)
-    if fidelity == "real":  # the same search again: one mesh run is a sample of the machine's speed at the hour
-        from bench.results.render import repeat_files
-        for old in repeat_files(out, "real"):  # an earlier invocation's repeats never sit beside this run
-            old.unlink()
-        for i in range(2, real_runs(args) + 1):
-            compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"real-run{i}.json", cmd,
-                         args.quick, containers=planned, chunks=chunks)
+    # the same search again: one mesh run is a sample of the machine's speed at the hour
+    from bench.results.render import repeat_files
+    for old in repeat_files(out, fidelity):  # an earlier invocation's repeats never sit beside this run
+        old.unlink()
+    for i in range(2, mesh_runs(args, fidelity) + 1):
+        compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"{fidelity}-run{i}.json", cmd,
+                     args.quick, containers=planned, chunks=chunks)
 
 
-def real_runs(args: argparse.Namespace) -> int:
-    """How many times the real part runs: ``--real-runs``, else 3 (1 with ``--quick``)."""
-    n = getattr(args, "real_runs", None)
+def mesh_runs(args: argparse.Namespace, part: str) -> int:
+    """How many times a mesh part's search runs: ``--<part>-runs``, else 3 (1 with ``--quick``)."""
+    n = getattr(args, f"{part}_runs", None)
     return n if n else (1 if args.quick else 3)
 
 

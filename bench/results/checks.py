@@ -96,37 +96,55 @@ def _order(pol: Mapping[str, Any], names: list[str], key: str) -> list[str]:
     return sorted(names, key=lambda n: -pol[n][f"tokens_per_s_{key}"])
 
 
-def emulated_checks(em: Mapping[str, Any], pred: Mapping[str, Any]) -> dict[str, Any]:
-    """Measured (emulated mesh) vs predicted (simulator) slice ÷ container and policy ordering, at both bounds."""
-    out: dict[str, Any] = {}
+def run_ratios(first: Mapping[str, Any], repeats: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """slice ÷ container at ≤ 9 % and ≤ 1 % of one mesh search and of its repeats (the same part run again by the
+    same ``bench results`` invocation): each run's pair and, with repeats, their medians (None unless every run has
+    the figure)."""
+    def pair(res: Mapping[str, Any]) -> tuple[Any, Any]:
+        rc = res.get("ratio_to_container") or ratios(res["policies"])
+        return _get(rc, "slice", "9"), _get(rc, "slice", "1")
+
+    runs = [pair(r) for r in (first, *repeats)]
+    out: dict[str, Any] = {"ratio_9": runs[0][0], "ratio_1": runs[0][1], "runs": runs,
+                           "median_9": None, "median_1": None}
+    if len(runs) > 1:
+        for i, key in ((0, "median_9"), (1, "median_1")):
+            vals = [x[i] for x in runs]
+            out[key] = None if None in vals else statistics.median(vals)
+    return out
+
+
+def read_ratio(c: Mapping[str, Any], key: str) -> Any:
+    """The figure a mesh target reads: the median over the runs when the part ran more than once, else the run's."""
+    return c[f"median_{key}"] if len(c["runs"]) > 1 else c[f"ratio_{key}"]
+
+
+def emulated_checks(em: Mapping[str, Any], pred: Mapping[str, Any],
+                    repeats: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """Measured (emulated mesh) vs predicted (simulator) slice ÷ container and policy ordering, at both bounds;
+    with ``repeats`` the measured figure is the median over the runs, and the ordering is read from it."""
+    runs = run_ratios(em, repeats)
+    out: dict[str, Any] = {"runs": runs["runs"]}
     common = [n for n in em["policies"] if n in pred["policies"] and n not in ("pooled-bound", "pooled")]
     for key in ("9", "1"):
-        m = _get(em.get("ratio_to_container") or ratios(em["policies"]), "slice", key)
+        m = read_ratio(runs, key)
         p = _get(pred.get("ratio_to_container") or ratios(pred["policies"]), "slice", key)
         out[f"measured_{key}"], out[f"predicted_{key}"] = m, p
         out[f"difference_{key}"] = (m - p) / p if m is not None and p else None
-        out[f"same_order_{key}"] = (_order(em["policies"], common, key) == _order(pred["policies"], common, key)
-                                    if len(common) >= 2 else None)
+        if repeats:  # the two mesh policies: slice ahead of container or not, on the median
+            out[f"same_order_{key}"] = None if m is None or p is None else (m > 1) == (p > 1)
+        else:
+            out[f"same_order_{key}"] = (_order(em["policies"], common, key) == _order(pred["policies"], common, key)
+                                        if len(common) >= 2 else None)
     d = out["difference_9"]
     out["within_15"] = None if d is None else abs(d) <= EMULATED_MAX_DIFF
     return out
 
 
 def real_checks(real: Mapping[str, Any], repeats: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-    """slice ÷ container in measured tokens/s on the real CPU mesh and the ≥ 1.3× target; with ``repeats`` (the
-    same part run again in the same ``bench results`` invocation) also each run's ratios and their medians, and the
-    target is read on the median ≤ 9 % ratio."""
-    def pair(res: Mapping[str, Any]) -> tuple[Any, Any]:
-        rc = res.get("ratio_to_container") or ratios(res["policies"])
-        return _get(rc, "slice", "9"), _get(rc, "slice", "1")
-
-    runs = [pair(r) for r in (real, *repeats)]
-    r9, r1 = runs[0]
-    out: dict[str, Any] = {"ratio_9": r9, "ratio_1": r1, "runs": runs, "median_9": None, "median_1": None}
-    if len(runs) > 1:
-        for i, key in ((0, "median_9"), (1, "median_1")):
-            vals = [x[i] for x in runs]
-            out[key] = None if None in vals else statistics.median(vals)
-    target = out["median_9"] if len(runs) > 1 else r9
+    """slice ÷ container in measured tokens/s on the real CPU mesh and the ≥ 1.3× target; with ``repeats`` also each
+    run's ratios and their medians (``run_ratios``), and the target is read on the median ≤ 9 % ratio."""
+    out = run_ratios(real, repeats)
+    target = read_ratio(out, "9")
     out["meets"] = None if target is None else target >= REAL_RATIO_MIN
     return out

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from bench.results.anatomy import anatomy_section, load_anatomies
-from bench.results.checks import bound_below, emulated_checks, real_checks, sim_checks, sim_summary_checks
+from bench.results.checks import (bound_below, emulated_checks, read_ratio, real_checks, run_ratios, sim_checks,
+                                  sim_summary_checks)
 from shared.sim.metrics import MIN_TENANT_REQUESTS
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -47,13 +48,14 @@ def load_results(out_dir: Path) -> dict[str, Any]:
     return {"sim": {w: sims[w] for w in order}, "emulated": read("emulated.json"),
             "prediction": read("emulated-prediction.json"), "emulated_timeline": read("emulated-timeline.json"),
             "real": read("real.json"), "real_timeline": read("real-timeline.json"),
-            "real_repeats": [json.loads(p.read_text()) for p in repeat_files(out_dir, "real")],
+            **{f"{part}_repeats": [json.loads(p.read_text()) for p in repeat_files(out_dir, part)]
+               for part in ("emulated", "real")},
             "anatomy": load_anatomies(out_dir, SIM_ORDER)}
 
 
 def repeat_files(out_dir: Path, part: str) -> list[Path]:
     """``<part>-run2.json``, ``<part>-run3.json``, …: the part run again by the same ``bench results`` invocation
-    (``--real-runs``), in run order."""
+    (``--emulated-runs``, ``--real-runs``), in run order."""
     found = {p: p.stem[len(f"{part}-run"):] for p in out_dir.glob(f"{part}-run*.json")}
     return sorted((p for p, n in found.items() if n.isdigit()), key=lambda p: int(found[p]))
 
@@ -276,7 +278,7 @@ def _timeline_lines(tl: Mapping[str, Any] | None, png: Path, md: Path, label: st
 
 
 def emulated_section(em: Mapping[str, Any] | None, pred: Mapping[str, Any] | None, tl: Mapping[str, Any] | None,
-                     out_dir: Path, md: Path) -> list[str]:
+                     out_dir: Path, md: Path, repeats: list[Mapping[str, Any]] | None = None) -> list[str]:
     lines = ["## Emulated mesh", "",
              "Every real service (gateway, Redis, scheduler, GMG, simulator service, workers) with emulated devices: "
              "no tensor math, iteration time from the device profile, memory accounted. The simulator's prediction "
@@ -285,13 +287,15 @@ def emulated_section(em: Mapping[str, Any] | None, pred: Mapping[str, Any] | Non
     if not em:
         return lines + ["_Not run yet._", ""]
     lines += ["### Measured (emulated mesh)", ""] + provenance(em["meta"]) + containers_lines(em) + [""]
-    lines += policy_table(em) + [""] + tenant_table(em)
+    repeats = repeats or []
+    lines += policy_table(em) + [""] + tenant_table(em) + (runs_table(em, repeats, "emulated") if repeats else [])
     if pred:
         lines += ["### Predicted (simulated, same workload, cluster and containers)", ""] + provenance(pred["meta"])
         lines += containers_lines(pred) + [""] + policy_table(pred) + [""]
-        c = emulated_checks(em, pred)
+        c = emulated_checks(em, pred, repeats)
+        measured = f"median of {len(c['runs'])} runs" if repeats else "measured"
         lines += ["### Measured vs predicted", "",
-                  "| bound | slice ÷ container, emulated mesh (measured) | slice ÷ container, simulated (predicted) "
+                  f"| bound | slice ÷ container, emulated mesh ({measured}) | slice ÷ container, simulated (predicted) "
                   "| difference (measured − predicted) / predicted | same ordering |", "|---|---:|---:|---:|---|"]
         for key in ("9", "1"):
             lines.append(f"| ≤{key}% | {fmt(c[f'measured_{key}'])} | {fmt(c[f'predicted_{key}'])} | "
@@ -308,15 +312,15 @@ def emulated_section(em: Mapping[str, Any] | None, pred: Mapping[str, Any] | Non
         tl, out_dir / "emulated-timeline.png", md, "emulated mesh")
 
 
-def runs_table(real: Mapping[str, Any], repeats: list[Mapping[str, Any]]) -> list[str]:
-    """One row per run of the real part (the first is the one tabulated above), and the medians."""
-    c = real_checks(real, repeats)
-    lines = [f"Runs of this search ({len(c['runs'])}; the first is the one tabulated above, `--real-runs` repeats "
-             "it in the same invocation; each row's command is in its JSON, `real-runN.json`). One mesh run is a "
+def runs_table(first: Mapping[str, Any], repeats: list[Mapping[str, Any]], part: str) -> list[str]:
+    """One row per run of a mesh part (the first is the one tabulated above), and the medians."""
+    c = run_ratios(first, repeats)
+    lines = [f"Runs of this search ({len(c['runs'])}; the first is the one tabulated above, `--{part}-runs` repeats "
+             f"it in the same invocation; each row's command is in its JSON, `{part}-runN.json`). One mesh run is a "
              "sample of the machine's speed at the hour, so the target reads the median:", "",
              "| run | date | commit | container max scale ≤9% | slice max scale ≤9% | slice × container ≤9% | ≤1% |",
              "|---:|---|---|---:|---:|---:|---:|"]
-    for i, (res, (r9, r1)) in enumerate(zip((real, *repeats), c["runs"]), 1):
+    for i, (res, (r9, r1)) in enumerate(zip((first, *repeats), c["runs"]), 1):
         m, p = res.get("meta", {}), res["policies"]
         lines.append(f"| {i} | {m.get('date', '–')} | {m.get('commit') or '–'} | "
                      f"{fmt(p.get('container', {}).get('max_scale_9'), '.3g')} | "
@@ -334,7 +338,7 @@ def real_section(real: Mapping[str, Any] | None, tl: Mapping[str, Any] | None, o
     c = real_checks(real, repeats)
     lines += provenance(real["meta"]) + containers_lines(real) + [""] + policy_table(real) + [""] + tenant_table(real)
     if repeats:
-        lines += runs_table(real, repeats)
+        lines += runs_table(real, repeats, "real")
     caveat = lease_caveat(tl)
     verdict = "**not met** (no lease ran, see below)" if caveat else yesno(c["meets"])
     read = (f"the median of {len(c['runs'])} runs, {fmt(c['median_9'])}×" if repeats else f"{fmt(c['ratio_9'])}×")
@@ -378,7 +382,7 @@ def draw_figures(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
 
 def _all_meta(results: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     parts = list(results["sim"].values()) + [results[k] for k in ("emulated", "prediction", "real")] \
-        + list(results.get("real_repeats") or [])
+        + list(results.get("emulated_repeats") or []) + list(results.get("real_repeats") or [])
     return [r["meta"] for r in parts if r and "meta" in r]
 
 
@@ -387,6 +391,8 @@ def results_markdown(results: Mapping[str, Any], out_dir: Path, md: Path, result
     or ``results_command`` when none is recorded)."""
     walls = [(k, r["meta"]) for k, r in [*(("sim " + w, r) for w, r in results["sim"].items()),
                                          ("emulated mesh", results["emulated"]),
+                                         *((f"emulated mesh, run {i}", r) for i, r in
+                                           enumerate(results.get("emulated_repeats") or [], 2)),
                                          ("simulated prediction for the emulated mesh", results["prediction"]),
                                          ("real CPU mesh", results["real"]),
                                          *((f"real CPU mesh, run {i}", r) for i, r in
@@ -398,7 +404,8 @@ def results_markdown(results: Mapping[str, Any], out_dir: Path, md: Path, result
     lines += [f"- {k}: {fmt(m.get('wall_s'), '.0f')} s ({'quick' if m.get('quick') else 'full settings'}"
               f"{', shortened trace' if m.get('shortened') else ''}; {m['date']})" for k, m in walls] + [""]
     lines += sim_section(results["sim"], out_dir, md, results.get("anatomy") or {})
-    lines += emulated_section(results["emulated"], results["prediction"], results["emulated_timeline"], out_dir, md)
+    lines += emulated_section(results["emulated"], results["prediction"], results["emulated_timeline"], out_dir, md,
+                              results.get("emulated_repeats"))
     lines += real_section(results["real"], results["real_timeline"], out_dir, md, results.get("real_repeats"))
     return "\n".join(lines).rstrip() + "\n"
 
@@ -440,12 +447,15 @@ def headline_markdown(results: Mapping[str, Any], md_link: str) -> str:
         lines.append("")
     em, pred = results["emulated"], results["prediction"]
     if em:
-        c = emulated_checks(em, pred) if pred else None
+        em_repeats = results.get("emulated_repeats") or []
+        c = emulated_checks(em, pred, em_repeats) if pred else None
+        runs = run_ratios(em, em_repeats)
         m = em["meta"]
+        measured = f"median of {len(runs['runs'])} runs" if em_repeats else "measured"
         lines += [f"**Emulated mesh** {_setup(m)}", "",
-                  "| slice × container ≤9%, measured | simulator's prediction | difference | same ordering |",
+                  f"| slice × container ≤9%, {measured} | simulator's prediction | difference | same ordering |",
                   "|---:|---:|---:|---|",
-                  f"| {fmt(sim_checks(em)['ratio_9'])} | {fmt(c['predicted_9']) if c else '–'} | "
+                  f"| {fmt(read_ratio(runs, '9'))} | {fmt(c['predicted_9']) if c else '–'} | "
                   f"{pct(c['difference_9']) if c else '–'} | {yesno(c['same_order_9']) if c else '–'} |", ""]
         if lease_caveat(results["emulated_timeline"]):
             lines += [NO_LEASE_NOTE, ""]

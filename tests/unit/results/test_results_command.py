@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import shlex
 
+import pytest
+
 from bench.bench_results import containers_option
 from bench.results.meta import compare_command
 
@@ -28,17 +30,21 @@ def test_a_mode_given_as_text_is_printed_as_given_and_a_file_partition_is_not_cl
     assert containers_option(None) is None
 
 
-def test_the_results_command_names_a_non_default_count_of_real_runs():
+@pytest.mark.parametrize("part", ["emulated", "real"])
+def test_the_results_command_names_a_non_default_count_of_mesh_runs(part):
     import argparse
 
-    from bench.bench_results import configure, real_runs, results_command
+    from bench.bench_results import configure, mesh_runs, results_command
     p = argparse.ArgumentParser()
     configure(p)
-    one = p.parse_args(["--only", "real", "--real-runs", "1"])
-    assert shlex.split(results_command(one))[-4:] == ["--only", "real", "--real-runs", "1"] and real_runs(one) == 1
-    default = p.parse_args(["--only", "real"])
-    assert "--real-runs" not in results_command(default) and real_runs(default) == 3
-    assert real_runs(p.parse_args(["--quick"])) == 1
+    one = p.parse_args(["--only", part, f"--{part}-runs", "1"])
+    assert shlex.split(results_command(one))[-4:] == ["--only", part, f"--{part}-runs", "1"]
+    assert mesh_runs(one, part) == 1
+    default = p.parse_args(["--only", part])
+    assert f"--{part}-runs" not in results_command(default) and mesh_runs(default, part) == 3
+    assert mesh_runs(p.parse_args(["--quick"]), part) == 1
+    with pytest.raises(SystemExit):
+        p.parse_args([f"--{part}-runs", "0"])
 
 
 def test_the_commands_name_the_policies_run_with_deadline_aware_chunks(capsys):

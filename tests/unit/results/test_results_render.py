@@ -208,12 +208,12 @@ def test_the_anatomy_table_is_rendered_for_each_simulated_workload(out, tmp_path
     assert "| not-simulated-here |" not in text  # an anatomy without its compare result is not shown
 
 
-def _repeat(out: Path, i: int, r9: float, r1: float, commit: str) -> None:
-    res = json.loads((out / "real.json").read_text())
+def _repeat(out: Path, i: int, r9: float, r1: float, commit: str, part: str = "real") -> None:
+    res = json.loads((out / f"{part}.json").read_text())
     res["ratio_to_container"]["slice"] = {"9": r9, "1": r1}
-    res["meta"] = dict(res["meta"], commit=commit, command=res["meta"]["command"].replace("real.json",
-                                                                                           f"real-run{i}.json"))
-    (out / f"real-run{i}.json").write_text(json.dumps(res))
+    res["meta"] = dict(res["meta"], commit=commit, command=res["meta"]["command"].replace(f"{part}.json",
+                                                                                           f"{part}-run{i}.json"))
+    (out / f"{part}-run{i}.json").write_text(json.dumps(res))
 
 
 def test_repeated_real_runs_are_tabulated_and_the_target_reads_their_median(out, tmp_path):
@@ -242,3 +242,27 @@ def test_real_checks_median_needs_every_run():
     assert real_checks(one, [two])["median_9"] == 1.4 and real_checks(one, [two])["meets"] is True
     broken = {"policies": {}, "ratio_to_container": {"slice": {}}}
     assert real_checks(one, [two, broken])["median_9"] is None and real_checks(one, [two, broken])["meets"] is None
+
+
+def test_repeated_emulated_runs_are_tabulated_and_compared_with_the_prediction_on_their_median(out, tmp_path):
+    # the fixture's own run: 1.40× measured (≤ 9 %) against 1.20× predicted, 16.7 % apart
+    _repeat(out, 2, 1.30, 1.00, "def5678", "emulated")
+    _repeat(out, 3, 1.10, 0.90, "def5678", "emulated")
+    readme, md = tmp_path / "README.md", tmp_path / "docs" / "results.md"
+    readme.write_text("# Project\n\n## Results\n")
+    assert main(["bench", "results", "--render-only", "--out", str(out), "--readme", str(readme)]) == 0
+    text = md.read_text()
+    assert "`--emulated-runs` repeats it" in text and "def5678" in text
+    assert "| median | | | | | **1.30** | 1.00 |" in text
+    # the median (1.30×) is 8.3 % above the prediction: within 15 %, where the first run alone (16.7 %) is not
+    assert "| ≤9% | 1.30 | 1.20 | 8.3% | yes |" in text and "within 15% of the prediction: yes" in text
+    assert "- emulated mesh, run 3:" in text
+    block = readme.read_text()
+    assert "| slice × container ≤9%, median of 3 runs |" in block and "| 1.30 | 1.20 | 8.3% | yes |" in block
+    r = load_results(out)
+    c = emulated_checks(r["emulated"], r["prediction"], r["emulated_repeats"])
+    assert c["runs"] == [(pytest.approx(1.4), pytest.approx(1.4)), (1.3, 1.0), (1.1, 0.9)]
+    assert c["within_15"] is True and c["same_order_9"] is True
+    slower = dict(r["emulated_repeats"][0], ratio_to_container={"slice": {"9": 0.9, "1": 0.9}})
+    c = emulated_checks(r["emulated"], r["prediction"], [slower, slower])  # median 0.9×: container ahead
+    assert c["measured_9"] == pytest.approx(0.9) and c["same_order_9"] is False

@@ -405,6 +405,7 @@ class HandOffs:
         """Reserve, fetch, import and commit ``msg``'s sequence; False when refused (the guest was told)."""
         w, r = self.w, msg.request
         rid = r.request_id
+        t0 = time.time()  # the phases of the hand-off go into the ``handoff_received`` log line
         if r.tenant != w.tenant.name:
             return await self._refuse(msg, "not_home")
         eng = w.engine
@@ -415,6 +416,7 @@ class HandOffs:
             [self._room()])
         if isinstance(res, Refused) and res.reason != "duplicate":
             return await self._refuse(msg, f"memory: {res.reason}")
+        t1 = time.time()
         for device, tenant, seg, nbytes in ([] if isinstance(res, Refused) else res.evicted):
             # this worker's copy goes at its lease agent's next upkeep, which drops what the GMG no longer holds
             log.info("staged_weights_evicted", device=device, tenant=tenant, segment=seg, bytes=nbytes, by="handoff")
@@ -427,10 +429,12 @@ class HandOffs:
             await w.gmg.release(w.device.id, owner)
             return await self._refuse(msg, f"import: {e}")
         # import, commit and resume at the next step boundary, so that the sequence runs in the very next step
+        t2 = time.time()
         j = _Joining(msg, state, entry_id, nblocks, asyncio.get_running_loop().create_future())
         w.pending_ops.append(("handoff", j))
         w.wake.set()
         outcome = await j.done
+        t3 = time.time()
         if outcome != "ok":
             await w.gmg.release(w.device.id, owner)
             return await self._refuse(msg, outcome)
@@ -442,7 +446,11 @@ class HandOffs:
                          request_id=rid)
         await w.retrying(lambda: w.producer.add(worker_stream(w.p, msg.from_device), reply), "handoff_reply_retry",
                          request_id=rid)
-        log.info("handoff_received", request_id=rid, guest=msg.from_device, kv_layers=len(state.kv))
+        log.info("handoff_received", request_id=rid, guest=msg.from_device, kv_layers=len(state.kv),
+                 # seconds: the lane's first token → this handler (guest clock), the KV reservation, the KV fetch,
+                 # and the wait for this worker's step boundary until the commit
+                 delivered_s=round(t0 - msg.first_token_ts, 4) if msg.first_token_ts else None,
+                 reserve_s=round(t1 - t0, 4), fetch_s=round(t2 - t1, 4), join_s=round(t3 - t2, 4))
         return True
 
     async def join(self, j: _Joining) -> None:

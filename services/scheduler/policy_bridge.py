@@ -50,7 +50,8 @@ class SnapshotBuilder:
         self.n_home = {t.name: max(1, len(t.home_devices)) for t in tenants.tenants}
         self._parsed: dict[str, tuple[str, dict]] = {}  # device -> (raw "resident" field, parsed)
         self._rows: dict[str, tuple[dict, tuple]] = {}  # device -> (GMG row, the fields taken from it)
-        self._queues: dict[str, tuple[int, int, float, int]] = {}  # tenant -> (version, depth, oldest, tokens)
+        self._queues: dict[str, tuple[tuple, int, float, int]] = {}  # tenant -> (key, depth, oldest, tokens)
+        self._routing: tuple[str, str] | None = None  # (tenant, request id) of the request being routed
         self._fields: dict[str, tuple] = {}  # device -> the fields its DeviceState holds
         self._seen: dict[str, tuple] = {}  # device -> (row, view, view version, queue version, context, share)
         self._snap: ClusterSnapshot | None = None
@@ -65,6 +66,7 @@ class SnapshotBuilder:
         self._rows_obj: object = None
         self._rows_seen: dict[str, dict] = {}
         self._qver: dict[str, int] = {}
+        self._routing_changed: set = set()  # (tenant, request id) routed in this build or the last
         self._shares: dict[str, float] = {}
 
     def _resident(self, device: str, raw: str) -> dict[tuple[str, str], int]:
@@ -84,16 +86,23 @@ class SnapshotBuilder:
                 int(row.get("evictable") or 0), float(row.get("busy_ratio") or 0) > 0.5,
                 self._resident(d.id, row.get("resident") or ""))
 
-    def _queue(self, tenant: str) -> tuple[int, int, float, int]:
-        """(version, depth, oldest enqueue time, prompt tokens) of a tenant's queue, re-read when it changed."""
-        queues = self.core.queues
-        ver = queues.versions.get(tenant, 0)
+    def _qkey(self, tenant: str) -> tuple[int, str | None]:
+        """What a tenant's queue terms are computed from: its queue's version and the request being routed, when
+        it is this tenant's (``build(routing=…)``)."""
+        r = self._routing
+        return self.core.queues.versions.get(tenant, 0), (r[1] if r is not None and r[0] == tenant else None)
+
+    def _queue(self, tenant: str) -> tuple[tuple, int, float, int]:
+        """(key, depth, oldest enqueue time, prompt tokens) of a tenant's queue without the request being routed,
+        re-read when either changed."""
+        key = self._qkey(tenant)
         hit = self._queues.get(tenant)
-        if hit is not None and hit[0] == ver:
+        if hit is not None and hit[0] == key:
             return hit
-        q = queues.queues.get(tenant, {})
-        hit = self._queues[tenant] = (ver, len(q), min((p.enqueued_ts for p in q.values()), default=math.inf),
-                                      sum(len(p.req.prompt_ids) for p in q.values()))
+        skip = key[1]
+        q = [p for rid, p in self.core.queues.queues.get(tenant, {}).items() if rid != skip]
+        hit = self._queues[tenant] = (key, len(q), min((p.enqueued_ts for p in q), default=math.inf),
+                                      sum(len(p.req.prompt_ids) for p in q))
         return hit
 
     def request_ended(self, msg: RequestFinished, arrival_ts: float) -> None:
@@ -114,7 +123,14 @@ class SnapshotBuilder:
         a.observe(msg.ts, missed(ttft, tpot, self._targets[msg.tenant](msg.prompt_tokens, msg.completion_tokens)))
 
     def build(self, now: float, views: dict[str, DeviceView], rows: dict[str, dict[str, str]],
-              assigned: dict[str, tuple], leases: dict[str, LeaseState]) -> ClusterSnapshot:
+              assigned: dict[str, tuple], leases: dict[str, LeaseState],
+              routing: tuple[str, str] | None = None) -> ClusterSnapshot:
+        """The snapshot for a decision; ``routing`` — (tenant, request id) of a queued request about to be routed —
+        leaves that request out of its homes' queues, as the simulator routes an arrival before it queues on a
+        device (the tenant's own ``queued`` still counts it, as there)."""
+        if routing != self._routing:
+            self._routing_changed = {t for t in (routing, self._routing) if t is not None}
+            self._routing = routing
         # an AssignedTable keeps them; with its homes known, a device's own tenant's alone (not its lanes' requests)
         own: dict[str, int] | None = getattr(assigned, "own", None) if getattr(assigned, "home_of", None) else None
         per_dev_ctx: dict[str, int] | None = getattr(assigned, "own_ctx" if own is not None else "ctx", None)
@@ -131,13 +147,13 @@ class SnapshotBuilder:
         if snap is None:
             snap = self._snap = self._first(now)
         changed = self._changed(views, rows, assigned, shares)
-        devices, fields, seen, versions = snap.devices, self._fields, self._seen, self.core.queues.versions
+        devices, fields, seen = snap.devices, self._fields, self._seen
         for d in (self.cluster.devices if changed is None else [self._dev[did] for did in changed]):
             did = d.id
             row, v = rows.get(did, _NO_ROW), views.get(did)
             home = self.home_of.get(did)
             # everything this device's fields are computed from; unchanged since the last build: nothing to do
-            inputs = (row, v, v.version if v is not None else 0, versions.get(home, 0) if home else 0,
+            inputs = (row, v, v.version if v is not None else 0, self._qkey(home) if home else 0,
                       per_dev_ctx.get(did, 0), shares.get(did, 0))
             last = seen.get(did)
             if last is not None and last[0] is row and last[1] is v and last[2:] == inputs[2:]:
@@ -199,6 +215,7 @@ class SnapshotBuilder:
                 changed_assigned.clear()
             self._rows_obj, self._rows_seen = rows, dict(rows)
             self._qver, self._shares = dict(versions), shares
+            self._routing_changed = set()
             return None
         out = set(self._dirty_views)
         self._dirty_views.clear()
@@ -214,6 +231,9 @@ class SnapshotBuilder:
                 if self._qver.get(t) != ver:
                     out.update(self._homes.get(t, ()))
             self._qver = dict(versions)
+        for t, _ in self._routing_changed:
+            out.update(self._homes.get(t, ()))
+        self._routing_changed = set()
         old = self._shares
         if shares != old:
             out.update(g for g in shares.keys() | old.keys() if shares.get(g, 0) != old.get(g, 0))

@@ -238,8 +238,11 @@ class SchedulerService:
                     break  # head of line waits for memory; FIFO per tenant
             self.m_queue.labels(tenant).set(self.core.queues.depth(tenant))
 
-    def snapshot(self):
-        return self.snapshots.build(time.time(), self.devices, self.rows, self.assigned, self.lease_mgr.active)
+    def snapshot(self, routing: Pending | None = None):
+        """The policy's snapshot; ``routing``: the queued request about to be routed, left out of its homes'
+        queues (``SnapshotBuilder.build``)."""
+        return self.snapshots.build(time.time(), self.devices, self.rows, self.assigned, self.lease_mgr.active,
+                                    (routing.req.tenant, routing.req.request_id) if routing is not None else None)
 
     def decision_snapshot(self):
         """The snapshot a policy's ``decide`` runs on: :meth:`snapshot` with the simulator's forecast applied when
@@ -259,7 +262,7 @@ class SchedulerService:
 
     async def _place_on_device(self, p: Pending) -> bool:
         t0 = time.perf_counter()
-        snap = self.snapshot()
+        snap = self.snapshot(routing=p)
         dev = self.core.policy.route(p.req.tenant, len(p.req.prompt_ids), p.req.max_tokens, snap)
         for dev in ([dev] if dev is not None and dev in self.devices and self.devices[dev].up else []):
             view = self.devices[dev]

@@ -53,7 +53,8 @@ class WorkerService:
         self.tenants_by_name = {t.name: t for t in tenants.tenants} if tenants is not None else {tenant.name: tenant}
         self._beat_now = asyncio.Event()  # heartbeat now: a lane changed (_report_lanes) or the backlog drained
         self._lanes_reported: frozenset[str] = frozenset()  # lanes accepting new sequences at the last heartbeat
-        self._prefill_reported = 0  # home prompt tokens not yet prefilled, as the last heartbeat said
+        # prompt tokens not yet prefilled, as the last heartbeat said: the home's (None) and each lane's (its tenant)
+        self._prefill_reported: dict[str | None, int] = {}
         self._no_deadline: set[str] = set()  # tenants whose model has no cost profile for this device's kind
         self.configured = set(self.tenants_by_name)
         self.p = settings.prefix
@@ -273,6 +274,8 @@ class WorkerService:
                     t0 = time.time()
                     res = await loop.run_in_executor(self.compute, functools.partial(self._lane_step, eng))
                     self._after_step(eng, t0, time.time(), res, self._to_loop(res.events))
+                    if res.prefill_tokens and self._backlog_halved(eng):
+                        self._beat_now.set()
             except Exception as e:  # a failed step fails its batch, not the worker
                 log.exception("engine_step_failed")
                 running = set(eng.running_ids())  # the failed batch; waiting requests were not in it
@@ -297,26 +300,40 @@ class WorkerService:
                 loop.call_soon_threadsafe(self._after_step, self.engine, t0, t1, res, events)
             else:  # nothing for the loop: account here, without waking it
                 self._account(self.engine, t0, t1, res)
-            if res.prefill_tokens and self._backlog_drained():
+            if res.prefill_tokens and self._backlog_halved(self.engine):
                 loop.call_soon_threadsafe(self._beat_now.set)
             if (self.pending_ops or self.shell.stop.is_set() or not self.engine.has_work()
                     or (self.lanes is not None and self.lanes.lanes) or self.publish_q.qsize() >= PUBLISH_BACKLOG
                     or time.monotonic() - start > BURST_MAX_S):
                 return
 
-    def _backlog_drained(self) -> bool:
-        """On the compute thread after a home step that prefilled: the last heartbeat reported prompt tokens to
-        prefill and none are left (none waiting for the engine either). The next heartbeat then goes out now
-        (``HEARTBEAT_MIN_S`` later), not up to ``HEARTBEAT_S`` later: the scheduler's routing and the hand-off's fill
-        rule (``HandOffs._fill_target``) read the backlog from heartbeats, and a drained home that still reports its
-        last queue looks, for up to half a second, as if each of its steps carried a prompt chunk."""
-        if not self._prefill_reported or any(k == "add" and m.request.tenant == self.tenant.name
-                                             for k, m in self.pending_ops):
+    def _backlog_halved(self, eng) -> bool:
+        """After a step of ``eng`` (the home engine or a guest lane's) that prefilled: the prompt tokens it has left
+        to prefill, with the requests assigned to it that it has not taken yet, are at most half what the last
+        heartbeat reported for it. The next heartbeat then goes out now (``HEARTBEAT_MIN_S`` later), not up to
+        ``HEARTBEAT_S`` later: the scheduler's routing and the hand-off's fill rule (``HandOffs._fill_target``) read
+        these backlogs from heartbeats, and a home or lane that kept reporting its last queue for up to half a second
+        looked twice as far behind as it was (a drained home as if each of its steps carried a prompt chunk). At most
+        once per heartbeat per engine; a drain of N prompt tokens asks for about log2(N / chunk) heartbeats."""
+        key = None if eng is self.engine else self._lane_tenant(eng)
+        reported = self._prefill_reported.get(key, 0) if key is not None or eng is self.engine else 0
+        if not reported:
             return False
-        if self.engine.prefill_backlog()[0]:
+        left = eng.prefill_backlog()[0]
+        for kind, m in list(self.pending_ops):
+            if kind == "add" and (None if m.request.tenant == self.tenant.name else m.request.tenant) == key:
+                left += len(m.request.prompt_ids)
+        if 2 * left > reported:
             return False
-        self._prefill_reported = 0  # once per drain
+        self._prefill_reported[key] = 0  # once per heartbeat
         return True
+
+    def _lane_tenant(self, eng) -> str | None:
+        """The tenant whose guest lane ``eng`` is (None if it is none of this device's lanes)."""
+        for t, lane in (self.lanes.lanes.items() if self.lanes is not None else ()):
+            if lane.engine is eng:
+                return t
+        return None
 
     def _publish_direct(self, events: list) -> list:
         """On the compute thread: publish a step's chunks here when none finishes a request and the loop has
@@ -604,7 +621,8 @@ class WorkerService:
         pending = self._pending_adds()
         home_pending = pending.get(None, [])
         backlog += sum(len(r.prompt_ids) for r in home_pending)
-        self._prefill_reported = backlog
+        lanes = self._lane_status(pending)
+        self._prefill_reported = {None: backlog, **{t: q for t, _n, q, _acc in lanes}}
         arrivals += [r.arrival_ts for r in home_pending if r.arrival_ts > 0]
         hb = WorkerHeartbeat(msg_id=uuid.uuid4().hex, device=self.device.id, worker_id=self.worker_id,
                              backend=self.device.backend, home_tenant=self.tenant.name, ts=time.time(),
@@ -614,7 +632,7 @@ class WorkerService:
                              running=len(e.running_ids()), queued=len(e.waiting_ids()) + len(home_pending),
                              busy_ratio=min(1.0, busy),
                              queued_prefill_tokens=backlog, prefill_oldest_ts=min(arrivals, default=0.0),
-                             guest_lanes=self._lane_status(pending),
+                             guest_lanes=lanes,
                              guest_share=self.lanes.yield_share(self.engine) if self.lanes is not None else 0.0)
         items = [(events_stream(self.p), hb)]
         if self.lease_agent is not None:

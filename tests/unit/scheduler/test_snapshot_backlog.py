@@ -9,6 +9,7 @@ import pytest
 from services.scheduler.core import DeviceView, SchedulerCore
 from services.scheduler.policy_bridge import SnapshotBuilder
 from services.scheduler.policy import load_live_policy
+from shared.messages import InferenceRequest
 from shared.config import ConfigError, REPO_CONFIGS, load_cluster, load_tenants, parse_cluster
 
 
@@ -46,6 +47,32 @@ def test_snapshot_counts_the_workers_backlog():
     d0, d1 = snap.devices["cpu0"], snap.devices["cpu1"]
     assert (d0.queued, d0.queued_prefill_tokens, d0.oldest_pending_s) == (5, 900, 97.0)
     assert (d1.queued, d1.queued_prefill_tokens) == (0, 0) and math.isinf(d1.oldest_pending_s)
+
+
+def test_the_request_being_routed_is_not_in_its_homes_queues():
+    """The simulator routes an arrival before it queues on a device: the live snapshot a request is routed on
+    leaves it out of its homes' queued prompts (their tenant's own count keeps it), and only while it is routed."""
+    cluster = load_cluster(REPO_CONFIGS / "cluster-tiny.yaml")
+    tenants = load_tenants(REPO_CONFIGS / "tenants-tiny.yaml", cluster)
+    core = SchedulerCore(cluster, tenants, load_live_policy("container"))
+    t = tenants.tenants[0]
+    for i, n in enumerate((300, 120)):
+        req = InferenceRequest(msg_id=f"m{i}", request_id=f"r{i}", tenant=t.name, gateway="g", prompt_ids=[1] * n,
+                               max_tokens=8)
+        core.queues.push(core.pending_for(req, "0-0", 90.0 + i))
+    views = {d.id: DeviceView(d.id, True, 10**9, 0) for d in cluster.devices}
+    builder, home, n_home = SnapshotBuilder(cluster, tenants, core), t.home_devices[0], len(t.home_devices)
+
+    def queued(routing):
+        snap = builder.build(100.0, views, {}, {}, {}, routing)
+        d = snap.devices[home]
+        return d.queued, d.queued_prefill_tokens, d.oldest_pending_s, snap.tenants[t.name].queued
+
+    assert queued(None) == (2 // n_home, 420 // n_home, 90.0, 2)
+    assert queued((t.name, "r0")) == (1 // n_home, 120 // n_home, 91.0, 2)
+    assert queued((t.name, "r1")) == (1 // n_home, 300 // n_home, 90.0, 2)
+    other = next(x.name for x in tenants.tenants if x.name != t.name)
+    assert queued((other, "r0")) == queued(None)  # another tenant's request: this one's queue is whole
 
 
 def test_cluster_policy_parameters_and_their_override():

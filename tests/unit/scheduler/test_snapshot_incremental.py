@@ -86,12 +86,14 @@ def test_incremental_snapshot_equals_a_fresh_one_after_random_changes():
             if v.guest_lanes:
                 v.lane_placed_since.append((now, v.guest_lanes[0][0], rng.randint(1, 500)))
                 v.touch()
-        snap = inc.build(now, views, rows, assigned, leases)
+        queued = [(q, rid) for q in names for rid in core.queues.queues[q]]
+        routing = rng.choice(queued) if queued and rng.random() < 0.5 else None  # a queued request being routed
+        snap = inc.build(now, views, rows, assigned, leases, routing)
         if index is None:
             index = snap.device_index = GuestIndex(snap.devices)
         fresh = SnapshotBuilder(cluster, tenants, core)
         fresh.rates = inc.rates
-        assert _state(snap) == _state(fresh.build(now, views, rows, plain, leases)), f"step {step}"
+        assert _state(snap) == _state(fresh.build(now, views, rows, plain, leases, routing)), f"step {step}"
         d = snap.devices[rng.choice(ids)]
         exclude = set(rng.sample(ids, 2))
 

@@ -69,7 +69,7 @@ async def test_the_heartbeat_counts_requests_waiting_for_the_engine():
     assert hb.queued == 2 and hb.queued_prefill_tokens == 100 + 256 + 64
     assert hb.prefill_oldest_ts == 5.0
     assert list(hb.guest_lanes[0]) == ["tb", 2, 80, True]  # the lane's own backlog and the request assigned to it
-    assert w._prefill_reported == 100 + 256 + 64  # what the drain check compares against
+    assert w._prefill_reported == {None: 100 + 256 + 64, "tb": 80}  # what the halving check compares against
 
 
 class _Drained(_Engine):
@@ -83,29 +83,46 @@ class _Drained(_Engine):
         return True
 
 
-def _drain_worker(reported: int, left: int, pending: list):
-    w = SimpleNamespace(engine=_Drained(left), _prefill_reported=reported, pending_ops=pending,
-                        tenant=SimpleNamespace(name="ta"))
-    w._backlog_drained = lambda: WorkerService._backlog_drained(w)
+def _drain_worker(reported: int, left: int, pending: list, lane_reported: int = 0, lane_left: int = 0):
+    lane = SimpleNamespace(engine=_Drained(lane_left))
+    w = SimpleNamespace(engine=_Drained(left), _prefill_reported={None: reported, "tb": lane_reported},
+                        pending_ops=pending, tenant=SimpleNamespace(name="ta"), lanes=SimpleNamespace(lanes={"tb": lane}))
+    w._lane_tenant = lambda eng: WorkerService._lane_tenant(w, eng)
+    w._backlog_halved = lambda eng=None: WorkerService._backlog_halved(w, w.engine if eng is None else eng)
     return w
 
 
 def test_a_drained_backlog_asks_for_a_heartbeat_once():
     w = _drain_worker(300, 0, [])
-    assert w._backlog_drained() and not w._backlog_drained()  # once per drain; the next heartbeat re-arms it
+    assert w._backlog_halved() and not w._backlog_halved()  # once per heartbeat; the next one re-arms it
 
 
 @pytest.mark.parametrize("reported,left,pending", [
     (0, 0, []),  # the last heartbeat already said no backlog
-    (300, 40, []),  # prompt tokens still to prefill
-    (300, 0, [_assign("r1", "ta", 64, 1.0)]),  # a home request waits for the engine: the backlog is not empty
+    (300, 151, []),  # more than half the prompt tokens still to prefill
+    (300, 100, [_assign("r1", "ta", 64, 1.0)]),  # with a home request waiting for the engine, more than half
 ])
-def test_no_early_heartbeat_while_the_reported_backlog_holds(reported, left, pending):
-    assert not _drain_worker(reported, left, pending)._backlog_drained()
+def test_no_early_heartbeat_while_most_of_the_reported_backlog_holds(reported, left, pending):
+    assert not _drain_worker(reported, left, pending)._backlog_halved()
+
+
+@pytest.mark.parametrize("left", [0, 100, 150])
+def test_a_halved_backlog_asks_for_a_heartbeat(left):
+    assert _drain_worker(300, left, [])._backlog_halved()
 
 
 def test_a_lane_request_waiting_does_not_hold_the_home_backlog():
-    assert _drain_worker(300, 0, [_assign("r3", "tb", 30, 6.0)])._backlog_drained()
+    assert _drain_worker(300, 0, [_assign("r3", "tb", 30, 6.0)])._backlog_halved()
+
+
+def test_a_lane_backlog_is_checked_against_what_was_reported_for_that_lane():
+    w = _drain_worker(300, 300, [_assign("r3", "tb", 30, 6.0)], lane_reported=512, lane_left=256)
+    lane = w.lanes.lanes["tb"].engine
+    assert not w._backlog_halved(lane)  # 256 left and 30 assigned: more than half of 512
+    w.pending_ops = []
+    assert w._backlog_halved(lane) and not w._backlog_halved(lane)
+    assert not w._backlog_halved()  # the home's own backlog still holds
+    assert not w._backlog_halved(_Drained(0))  # an engine that is no lane of this device
 
 
 def test_the_burst_sends_the_heartbeat_after_the_step_that_drained_the_backlog():
@@ -120,7 +137,7 @@ def test_the_burst_sends_the_heartbeat_after_the_step_that_drained_the_backlog()
     w.pending_ops = [("cancel", SimpleNamespace(request_id="r9"))]  # ends the burst after one step
     WorkerService._burst(w, loop)
     assert calls == [w._beat_now.set]
-    w._prefill_reported, calls[:] = 300, []
+    w._prefill_reported, calls[:] = {None: 300}, []
     w._step = lambda: SimpleNamespace(events=[], prefill_tokens=0)  # a decode-only step: nothing to check
     WorkerService._burst(w, loop)
     assert calls == []

@@ -51,7 +51,7 @@ class WorkerService:
             lanes.tpot_s = tenant.sla.tpot_ms / 1e3  # what the home's steps may yield is bounded by its TPOT target
         self.engine_of: dict[str, Engine] = {}  # request id -> the engine running it (home or a guest lane)
         self.tenants_by_name = {t.name: t for t in tenants.tenants} if tenants is not None else {tenant.name: tenant}
-        self._beat_now = asyncio.Event()  # heartbeat now: a lane changed (_report_lanes) or the backlog drained
+        self._beat_now = asyncio.Event()  # heartbeat now: a lane changed (_report_lanes) or a backlog halved
         self._lanes_reported: frozenset[str] = frozenset()  # lanes accepting new sequences at the last heartbeat
         # prompt tokens not yet prefilled, as the last heartbeat said: the home's (None) and each lane's (its tenant)
         self._prefill_reported: dict[str | None, int] = {}
@@ -314,7 +314,7 @@ class WorkerService:
         ``HEARTBEAT_S`` later: the scheduler's routing and the hand-off's fill rule (``HandOffs._fill_target``) read
         these backlogs from heartbeats, and a home or lane that kept reporting its last queue for up to half a second
         looked twice as far behind as it was (a drained home as if each of its steps carried a prompt chunk). At most
-        once per heartbeat per engine; a drain of N prompt tokens asks for about log2(N / chunk) heartbeats."""
+        once per heartbeat per engine: a backlog drained chunk by chunk asks for a heartbeat each time it halves."""
         key = None if eng is self.engine else self._lane_tenant(eng)
         reported = self._prefill_reported.get(key, 0) if key is not None or eng is self.engine else 0
         if not reported:
@@ -376,8 +376,7 @@ class WorkerService:
 
     def _account(self, eng, t0: float, t1: float, res) -> None:
         """Busy time and step statistics (either thread; the heartbeat reads and resets them under the lock)."""
-        guest = None if eng is self.engine else \
-            next((ln.tenant for ln in self.lanes.lanes.values() if ln.engine is eng), "?")
+        guest = None if eng is self.engine else (self._lane_tenant(eng) or "?")
         with self._agg_lock:
             self._busy_s += t1 - t0
             if guest is None:

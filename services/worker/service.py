@@ -316,13 +316,12 @@ class WorkerService:
         looked twice as far behind as it was (a drained home as if each of its steps carried a prompt chunk). At most
         once per heartbeat per engine: a backlog drained chunk by chunk asks for a heartbeat each time it halves."""
         key = None if eng is self.engine else self._lane_tenant(eng)
-        reported = self._prefill_reported.get(key, 0) if key is not None or eng is self.engine else 0
+        if key is None and eng is not self.engine:  # no lane of this device
+            return False
+        reported = self._prefill_reported.get(key, 0)
         if not reported:
             return False
-        left = eng.prefill_backlog()[0]
-        for kind, m in list(self.pending_ops):
-            if kind == "add" and (None if m.request.tenant == self.tenant.name else m.request.tenant) == key:
-                left += len(m.request.prompt_ids)
+        left = eng.prefill_backlog()[0] + sum(len(r.prompt_ids) for r in self._pending_adds().get(key, ()))
         if 2 * left > reported:
             return False
         self._prefill_reported[key] = 0  # once per heartbeat

@@ -88,6 +88,7 @@ def _drain_worker(reported: int, left: int, pending: list, lane_reported: int = 
     w = SimpleNamespace(engine=_Drained(left), _prefill_reported={None: reported, "tb": lane_reported},
                         pending_ops=pending, tenant=SimpleNamespace(name="ta"), lanes=SimpleNamespace(lanes={"tb": lane}))
     w._lane_tenant = lambda eng: WorkerService._lane_tenant(w, eng)
+    w._pending_adds = lambda: WorkerService._pending_adds(w)
     w._backlog_halved = lambda eng=None: WorkerService._backlog_halved(w, w.engine if eng is None else eng)
     return w
 

@@ -7,7 +7,8 @@ reporting seed) and replays each policy in ``--policies`` at one rate scale — 
 each policy it reports the violations by cause and tenant, how late the TTFT violations were, how busy the tenant's
 own container was during those waits, and how many device-equivalents stood idle outside it meanwhile
 (:mod:`shared.sim.anatomy`). All policies run at the same load, so the rows compare directly; each prefills as it
-did in the source run (deadline-aware chunks for the policies in its ``deadline_chunks``). Simulated only.
+did in the source run (deadline-aware chunks and step caps as its ``deadline_chunks`` and ``step_cap_s`` say). Simulated
+only.
 """
 from __future__ import annotations
 
@@ -108,9 +109,11 @@ def run_anatomy(args: argparse.Namespace) -> dict[str, Any]:
         w = load_workload_file(spec["workload"], scale, spec["seed"], spec["duration_s"], spec["scale_mode"])
         t0 = time.perf_counter()
         chunks = name in (src.get("deadline_chunks") or ())  # each policy's prefill order in the source run
+        cap = float((src.get("step_cap_s") or {}).get(name, 0.0))  # and its step cap
         r = simulate(cluster, w, name, seed=spec["seed"], containers=spec["homes"], anatomy_bin_s=args.bin_s,
-                     deadline_chunks=chunks)
-        runs[label] = {"policy": name, "scale": scale, "deadline_chunks": chunks, "tokens_per_s": r["tokens_per_s"],
+                     deadline_chunks=chunks, step_cap_s=cap)
+        runs[label] = {"policy": name, "scale": scale, "deadline_chunks": chunks, "step_cap_s": cap,
+                       "tokens_per_s": r["tokens_per_s"],
                        "violation_rate": r["violation_rate"], "worst_tenant": r["total"].get("worst_tenant"),
                        "worst_tenant_violation_rate": r["total"].get("worst_tenant_violation_rate"),
                        "wall_s": round(time.perf_counter() - t0, 1), **r["anatomy"]}

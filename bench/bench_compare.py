@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from loadgen.mix import SCALE_MODES
-from shared.argtypes import name_list, nonneg_int, positive_float, positive_int, seed_list
+from shared.argtypes import name_list, name_seconds, nonneg_int, positive_float, positive_int, seed_list
 from shared.config import ConfigError, load_cluster
 from bench.compare_search import CHILDREN, _Search, _Turns, passes  # noqa: F401  (CHILDREN, passes: re-exported)
 from bench.compare_summary import BOUNDS, captured, median_of, median_policies, ratios  # noqa: F401
@@ -86,6 +86,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "waiting prompt whose first-token deadline comes first; docs/simulator.md), the others in "
                         "arrival order: the simulator's --deadline-chunks, the meshes' SLICESCHED_DEADLINE_CHUNKS. "
                         "With container among them the partition is also planned with it")
+    p.add_argument("--step-cap", type=name_seconds, default={}, metavar="POLICY=S[,POLICY=S...]",
+                   help="these policies' engines cap each step at S seconds while sequences decode (TPOT-bounded "
+                        "chunked prefill: prefill tokens only while the step's predicted time stays within S; "
+                        "docs/simulator.md): the simulator's --step-cap-s, the meshes' SLICESCHED_STEP_CAP_S. With "
+                        "container among them the partition is also planned with its cap")
     p.add_argument("--reuse", action="append", default=[], metavar="POLICY=FILE",
                    help="take POLICY's searches from an earlier compare JSON instead of running them again (repeat "
                         "per policy); FILE must have the same workload, cluster, fidelity, seeds, duration, scale "
@@ -118,7 +123,8 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
         from services.cli.simulate import load_workload_file, simulate
         w = load_workload_file(args.workload, scale, seed, args.duration_s, getattr(args, "scale_mode", None))
         r = simulate(_cluster(args.cluster), w, policy, point_params(args, policy), seed=seed, containers=homes,
-                     stop_above=stop_above, deadline_chunks=chunks_for(args, policy))
+                     stop_above=stop_above, deadline_chunks=chunks_for(args, policy),
+                     step_cap_s=cap_for(args, policy))
         return point_summary(r)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
@@ -138,6 +144,8 @@ def run_sim_point(args: argparse.Namespace, policy: str, scale: float, seed: int
             cmd += ["--stop-above", repr(stop_above)]
         if chunks_for(args, policy):
             cmd += ["--deadline-chunks"]
+        if cap_for(args, policy):
+            cmd += ["--step-cap-s", repr(cap_for(args, policy))]
         cmd += [f"--param={k}={str(v).lower()}" for k, v in point_params(args, policy).items()]
         p = CHILDREN.run(cmd, Path(__file__).resolve().parents[1])
         if p.returncode != 0:
@@ -168,13 +176,14 @@ def resolve_containers(args: argparse.Namespace) -> tuple[dict[str, list[str]] |
         t0 = time.perf_counter()
         print(f"  planning containers on seeds {','.join(map(str, args.tuning_seeds))} ...", file=sys.stderr,
               flush=True)
-        chunks = chunks_for(args, PLANNED_FOR)
+        chunks, cap = chunks_for(args, PLANNED_FOR), cap_for(args, PLANNED_FOR)
         _, plan = plan_for(args.workload, args.cluster, tuple(args.tuning_seeds), BOUNDS["9"], dur,
-                           getattr(args, "scale_mode", None), deadline_chunks=chunks)
+                           getattr(args, "scale_mode", None), deadline_chunks=chunks, step_cap_s=cap)
         homes = homes_of(cluster, plan.counts)
         return homes, {"mode": "plan", "homes": homes, "devices": plan.counts, "tuning_seeds": list(plan.seeds),
                        "planned_scale": plan.max_scale, "bound": plan.bound, "duration_s": dur,
-                       "deadline_chunks": chunks, "simulations": plan.simulations,
+                       "deadline_chunks": chunks, **({"step_cap_s": cap} if cap else {}),
+                       "simulations": plan.simulations,
                        "wall_s": round(time.perf_counter() - t0, 1)}
     w = load_workload_file(args.workload, 1.0, None, args.duration_s)
     h = homes_for(mode, cluster, w)
@@ -294,6 +303,8 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
         res["reused"] = {p: f for p, f in (r.split("=", 1) for r in args.reuse)}
     if getattr(args, "deadline_chunks", None):
         res["deadline_chunks"] = sorted({p.split("/")[0] for p in policies if chunks_for(args, p)})
+    if getattr(args, "step_cap", None):
+        res["step_cap_s"] = {p.split("/")[0]: cap_for(args, p) for p in policies if cap_for(args, p)}
     if getattr(args, "lane_handback", None):
         res["lane_handback"] = {p: args.lane_handback for p in policies if handback_params(args, p)}
     res["ratio_to_container"] = median_of(per_seed, "ratio_to_container")
@@ -348,6 +359,13 @@ def reused_searches(args: argparse.Namespace,
         if was != now:
             raise ReuseError(f"--reuse {spec!r}: {policy} ran {'with' if was else 'without'} --deadline-chunks there,"
                              f" {'with' if now else 'without'} here")
+        was, now = (prev.get("step_cap_s") or {}).get(policy, 0.0), cap_for(args, policy)
+        if was != now:
+            raise ReuseError(f"--reuse {spec!r}: {policy} ran with a step cap of {was:g} s there, {now:g} s here "
+                             "(0: none)")
+        if mode == "plan" and c.get("step_cap_s", 0.0) != cap_for(args, PLANNED_FOR):
+            raise ReuseError(f"--reuse {spec!r}: the partition was planned with a step cap of "
+                             f"{c.get('step_cap_s', 0.0):g} s ({PLANNED_FOR}'s --step-cap decides)")
         if mode == "plan" and bool(c.get("deadline_chunks")) != chunks_for(args, PLANNED_FOR):
             how = "with" if c.get("deadline_chunks") else "without"
             raise ReuseError(f"--reuse {spec!r}: the partition was planned {how} deadline-aware chunks "
@@ -389,15 +407,22 @@ def chunks_for(args: argparse.Namespace, policy: str) -> bool:
     return policy.split("/")[0] in (getattr(args, "deadline_chunks", None) or ())
 
 
-def check_deadline_chunks(args: argparse.Namespace, policies: list[str]) -> str | None:
-    """Why ``--deadline-chunks`` cannot be honoured for ``policies`` (None when it can)."""
+def cap_for(args: argparse.Namespace, policy: str) -> float:
+    """The step cap in seconds ``policy`` (or its ``/steering-*`` variant) runs with (``--step-cap``; 0: none)."""
+    return float((getattr(args, "step_cap", None) or {}).get(policy.split("/")[0], 0.0))
+
+
+def check_engine_options(args: argparse.Namespace, policies: list[str]) -> str | None:
+    """Why ``--deadline-chunks`` or ``--step-cap`` cannot be honoured for ``policies`` (None when they can)."""
     from shared.policies import POLICIES
     names = {p.split("/")[0] for p in policies}
-    for name in getattr(args, "deadline_chunks", None) or ():
-        if name not in names:
-            return f"--deadline-chunks: {name} is not among --policies ({', '.join(policies)})"
-        if getattr(POLICIES.get(name), "analytic", False):
-            return f"--deadline-chunks: {name} is an analytic bound with no engine to chunk prefill in"
+    for flag, named in (("--deadline-chunks", getattr(args, "deadline_chunks", None) or ()),
+                        ("--step-cap", getattr(args, "step_cap", None) or {})):
+        for name in named:
+            if name not in names:
+                return f"{flag}: {name} is not among --policies ({', '.join(policies)})"
+            if getattr(POLICIES.get(name), "analytic", False):
+                return f"{flag}: {name} is an analytic bound with no engine to chunk prefill in"
     return None
 
 
@@ -432,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         return _usage("--sim-steering is for the mesh fidelities (the simulator service steers a live scheduler)")
     if getattr(args, "lane_handback", None) and not any(handback_params(args, p) for p in policies):
         return _usage(f"--lane-handback: none of {', '.join(policies)} takes lane_handback (slice does)")
-    why = check_deadline_chunks(args, policies)
+    why = check_engine_options(args, policies)
     if why:
         return _usage(why)
     if steering == "both":
@@ -473,6 +498,9 @@ def print_table(res: dict[str, Any]) -> None:
           (f" (planned on seeds {','.join(map(str, res['tuning_seeds']))})" if res.get("tuning_seeds") else ""))
     if res.get("deadline_chunks"):
         print(f"deadline-aware chunked prefill: {', '.join(res['deadline_chunks'])} (the others: arrival order)")
+    if res.get("step_cap_s"):
+        print("TPOT-bounded chunked prefill (step cap): " +
+              ", ".join(f"{p} {s:g} s" for p, s in res["step_cap_s"].items()) + " (the others: no cap)")
     print(f"{'policy':18s} {'scale@9%':>9s} {'tok/s@9%':>10s} {'x cont.':>14s} {'worst tenant':>12s} "
           f"{'scale@1%':>9s} {'tok/s@1%':>10s}")
     for name, r in res["policies"].items():

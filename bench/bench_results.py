@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from shared.argtypes import name_list, positive_float, positive_int, seed_list
+from shared.argtypes import name_list, name_seconds, positive_float, positive_int, seed_list
 from shared.config import ConfigError, load_cluster
 
 PARTS = ("sim", "emulated", "real")
@@ -85,6 +85,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline-chunks", type=name_list, default=(), metavar="POLICY[,POLICY...]",
                    help="these policies run with deadline-aware chunked prefill in every part that runs them (bench "
                         "compare --deadline-chunks; with container among them the partitions are planned with it)")
+    p.add_argument("--step-cap", type=name_seconds, default={}, metavar="POLICY=S[,POLICY=S...]",
+                   help="these policies cap each engine step at S seconds while sequences decode in every part that "
+                        "runs them (bench compare --step-cap; with container among them the partitions are planned "
+                        "with its cap)")
     for part in MESH_PARTS:
         p.add_argument(f"--{part}-runs", type=positive_int, default=None,
                        help=f"runs of the {part} part's search; the targets read their median (default 3; --quick: 1)")
@@ -104,10 +108,16 @@ def results_command(args: argparse.Namespace) -> str:
                                  ("--sim-policies", args.sim_policies, SIM_POLICIES),
                                  ("--sim-seeds", ",".join(map(str, args.sim_seeds)) if args.sim_seeds else None, None),
                                  ("--deadline-chunks", ",".join(getattr(args, "deadline_chunks", ())) or None, None),
+                                 ("--step-cap", caps_text(getattr(args, "step_cap", None)) or None, None),
                                  *((f"--{m}-runs", getattr(args, f"{m}_runs", None), None) for m in MESH_PARTS)):
         if value != default:
             argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return shlex.join(argv)
+
+
+def caps_text(caps: dict[str, float] | None) -> str:
+    """``--step-cap``'s text for ``caps`` (``container=0.04,slice=0.06``; empty for none)."""
+    return ",".join(f"{p}={s:g}" for p, s in (caps or {}).items())
 
 
 def search_for(args: argparse.Namespace, kind: str) -> Search:
@@ -121,12 +131,13 @@ def search_for(args: argparse.Namespace, kind: str) -> Search:
 
 
 def _compare_ns(workload: str, cluster: str, fidelity: str, s: Search, jobs: int,
-                containers: Any = "plan", chunks: tuple[str, ...] = ()) -> argparse.Namespace:
+                containers: Any = "plan", chunks: tuple[str, ...] = (), caps: dict[str, float] | None = None
+                ) -> argparse.Namespace:
     return argparse.Namespace(workload=str(Path(workload).resolve()), cluster=str(Path(cluster).resolve()),
                               fidelity=fidelity, seed=None, seeds=s.seeds, tuning_seeds=s.tuning_seeds,
                               duration_s=s.duration_s, plan_duration_s=s.plan_duration_s, scale_mode=None,
                               start_scale=s.start_scale, tolerance=s.tolerance, max_scale=s.max_scale, jobs=jobs,
-                              json_out=None, containers=containers, deadline_chunks=chunks)
+                              json_out=None, containers=containers, deadline_chunks=chunks, step_cap=caps or {})
 
 
 def _full_duration(workload: str) -> float | None:
@@ -157,19 +168,22 @@ def containers_option(containers: Any) -> str | None:
 
 def compare_part(workload: str, cluster: str, policies: list[str], fidelity: str, s: Search, jobs: int,
                  json_out: Path, cmd: str, quick: bool, hook: Any = None,
-                 containers: Any = "plan", chunks: tuple[str, ...] = ()) -> dict[str, Any]:
+                 containers: Any = "plan", chunks: tuple[str, ...] = (),
+                 caps: dict[str, float] | None = None) -> dict[str, Any]:
     """One ``bench compare`` run, with its ``meta`` block, saved to ``json_out``; ``chunks``: the policies that
-    prefill with deadline-aware chunks (those of them this part runs)."""
+    prefill with deadline-aware chunks, ``caps``: the step cap of each policy named (those of them this part
+    runs)."""
     from bench.bench_compare import compare
     from bench.results.meta import compare_command, describe_setup, run_meta
     chunks = tuple(p for p in chunks if p in policies)
-    ns = _compare_ns(workload, cluster, fidelity, s, jobs, containers, chunks)
+    caps = {p: v for p, v in (caps or {}).items() if p in policies}
+    ns = _compare_ns(workload, cluster, fidelity, s, jobs, containers, chunks, caps)
     if hook is not None:
         ns.mesh_hook = hook
     opts = {"duration_s": s.duration_s, "start_scale": s.start_scale, "tolerance": s.tolerance,
             "max_scale": s.max_scale, "jobs": jobs if fidelity == "sim" else None, "seeds": s.seeds,
             "tuning_seeds": s.tuning_seeds, "plan_duration_s": s.plan_duration_s,
-            "containers": containers_option(containers), "deadline_chunks": chunks}
+            "containers": containers_option(containers), "deadline_chunks": chunks, "step_cap": caps}
     print(f"bench results: {fidelity} {Path(workload).stem}: {', '.join(policies)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     res = compare(ns, policies)
@@ -193,7 +207,7 @@ def run_sim(args: argparse.Namespace, out: Path, cmd: str) -> None:
     for wl in map(_in_repo, _split(args.sim_workloads)):
         stem = Path(wl).stem
         compare_part(wl, _in_repo(args.sim_cluster), policies, "sim", s, args.jobs, out / f"sim-{stem}.json", cmd,
-                     args.quick, chunks=getattr(args, "deadline_chunks", ()))
+                     args.quick, chunks=getattr(args, "deadline_chunks", ()), caps=getattr(args, "step_cap", None))
         if {"container", "slice"} <= set(policies):  # where the violations are at slice's boundary
             anatomy_part(out / f"sim-{stem}.json", out / f"anatomy-{stem}.json")
         else:
@@ -219,10 +233,11 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
     wl, cluster = map(_in_repo, EMULATED if fidelity == "emulated" else REAL)
     s = search_for(args, "mesh")
     chunks = tuple(p for p in getattr(args, "deadline_chunks", ()) if p in MESH_POLICIES)
-    planned = resolve_containers(_compare_ns(wl, cluster, "sim", s, 1, chunks=chunks))[1]  # mesh and prediction
+    caps = {p: v for p, v in (getattr(args, "step_cap", None) or {}).items() if p in MESH_POLICIES}
+    planned = resolve_containers(_compare_ns(wl, cluster, "sim", s, 1, chunks, caps))[1]  # mesh and prediction
     rec = TimelineRecorder(("slice",))
     res = compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"{fidelity}.json", cmd, args.quick,
-                       hook=rec, containers=planned, chunks=chunks)
+                       hook=rec, containers=planned, chunks=chunks, caps=caps)
     tl = rec.pick_busiest("slice")
     if tl is not None:
         per_point = sorted([s_, len(t["leases"]), t.get("violation_rate")] for (p, s_), t in rec.points.items()
@@ -235,14 +250,14 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
         print(f"slicesched bench results: no {fidelity} timeline was recorded", file=sys.stderr)
     if fidelity == "emulated":  # predicted on the containers the mesh ran
         compare_part(wl, cluster, list(MESH_POLICIES), "sim", s, args.jobs, out / "emulated-prediction.json", cmd,
-                     args.quick, containers=planned, chunks=chunks)
+                     args.quick, containers=planned, chunks=chunks, caps=caps)
     # the same search again: one mesh run is a sample of the machine's speed at the hour
     from bench.results.render import repeat_files
     for old in repeat_files(out, fidelity):  # an earlier invocation's repeats never sit beside this run
         old.unlink()
     for i in range(2, mesh_runs(args, fidelity) + 1):
         compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"{fidelity}-run{i}.json", cmd,
-                     args.quick, containers=planned, chunks=chunks)
+                     args.quick, containers=planned, chunks=chunks, caps=caps)
 
 
 def mesh_runs(args: argparse.Namespace, part: str) -> int:
@@ -278,10 +293,11 @@ def render(out: Path, md: Path, readme: Path | None, cmd: str | None) -> None:
 def _validate(args: argparse.Namespace, parts: list[str]) -> None:
     from shared.policies import POLICIES
     todo = []
-    bad = [p for p in getattr(args, "deadline_chunks", ()) if p not in POLICIES
-           or getattr(POLICIES.get(p), "analytic", False)]
-    if bad:
-        raise ConfigError("--deadline-chunks", ",".join(bad), "unknown policy or an analytic bound (no engine)")
+    for flag, named in (("--deadline-chunks", getattr(args, "deadline_chunks", ())),
+                        ("--step-cap", getattr(args, "step_cap", None) or {})):
+        bad = [p for p in named if p not in POLICIES or getattr(POLICIES.get(p), "analytic", False)]
+        if bad:
+            raise ConfigError(flag, ",".join(bad), "unknown policy or an analytic bound (no engine)")
     if "sim" in parts:
         bad = [p for p in _split(args.sim_policies) if p not in POLICIES]
         if bad or not _split(args.sim_policies):

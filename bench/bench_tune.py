@@ -6,8 +6,9 @@ bound (the same search and rule as ``bench compare``: aggregate and every tenant
 planned partition ``bench compare`` would give every policy (planned on the same tuning seeds), and ranks the
 candidates by the geometric mean over workloads of their median scale over the seeds. ``container`` is searched on
 the same points as the yardstick (``× container``), prefilling in arrival order. The grid key ``deadline_chunks``
-(true/false) is the engine's prefill order for the tuned policy (as ``bench compare --deadline-chunks``), not a
-policy parameter; the partition is planned in arrival order either way. The winner goes into the cluster file's
+(true/false) is the engine's prefill order for the tuned policy (as ``bench compare --deadline-chunks``) and
+``step_cap_s`` (seconds, 0 = none) its step cap (as ``bench compare --step-cap``), not policy parameters; the partition
+is planned in arrival order and uncapped either way. The winner goes into the cluster file's
 ``policies.<name>`` by hand, with the command in a comment: ``bench compare`` and the live scheduler read it there.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from shared.argtypes import positive_float, positive_int, seed_list
 from shared.config import ConfigError, load_cluster
 
 REFERENCE = "container"
-ENGINE_KEYS = ("deadline_chunks",)  # grid keys that set the engine a policy runs on, not the policy's parameters
+ENGINE_KEYS = ("deadline_chunks", "step_cap_s")  # grid keys that set the engine a policy runs on, not its parameters
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -69,9 +70,11 @@ def candidates(policy: str, grid: list[str]) -> list[dict[str, Any]]:
         axes.append((key, [parse_params([f"{key}={v}"])[key] for v in values.split(",")]))
     out = [dict(zip([k for k, _ in axes], combo)) for combo in itertools.product(*[vs for _, vs in axes])]
     for params in out:
-        bad = [k for k in ENGINE_KEYS if k in params and not isinstance(params[k], bool)]
-        if bad:
-            raise ConfigError("--grid", f"{bad[0]}={params[bad[0]]}", "expected true or false")
+        if "deadline_chunks" in params and not isinstance(params["deadline_chunks"], bool):
+            raise ConfigError("--grid", f"deadline_chunks={params['deadline_chunks']}", "expected true or false")
+        cap = params.get("step_cap_s", 0)
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap < math.inf:
+            raise ConfigError("--grid", f"step_cap_s={cap}", "expected seconds, a number >= 0 (0: no cap)")
         try:
             make_policy(policy, policy_part(params))
         except (PolicyConfigError, TypeError, ValueError) as e:
@@ -102,7 +105,8 @@ def search_one(ns: argparse.Namespace, policy: str, params: dict[str, Any], seed
     from bench.bench_compare import run_sim_point
     from bench.compare_search import CHILDREN, _Search
     mine = argparse.Namespace(**{**vars(ns), "policy_params": {policy: policy_part(params)},
-                                 "deadline_chunks": (policy,) if params.get("deadline_chunks") else ()})
+                                 "deadline_chunks": (policy,) if params.get("deadline_chunks") else (),
+                                 "step_cap": {policy: float(params["step_cap_s"])} if params.get("step_cap_s") else {}})
 
     def at(scale: float, b: float) -> dict[str, Any]:
         if CHILDREN.stopping.is_set():

@@ -49,8 +49,9 @@ def point_env(args: argparse.Namespace, policy: str) -> tuple[str, dict[str, str
     """(the registered policy, the environment its mesh point adds): the scheduler's steering
     (:func:`steering_env`), its policy parameters (``--lane-handback``: SLICESCHED_POLICY_PARAMS) and, with
     ``--deadline-chunks``, the workers' prefill order (SLICESCHED_DEADLINE_CHUNKS 1 for the policies named, 0 for
-    the others; without the option the environment's)."""
-    from bench.bench_compare import chunks_for, handback_params
+    the others; without the option the environment's), with ``--step-cap`` the workers' step cap
+    (SLICESCHED_STEP_CAP_S, 0 for the policies not named)."""
+    from bench.bench_compare import cap_for, chunks_for, handback_params
     params = handback_params(args, policy)
     chunks = chunks_for(args, policy)
     name, env = steering_env(args, policy)
@@ -58,6 +59,8 @@ def point_env(args: argparse.Namespace, policy: str) -> tuple[str, dict[str, str
         env = env | {"SLICESCHED_POLICY_PARAMS": json.dumps(params)}
     if getattr(args, "deadline_chunks", None):
         env = env | {"SLICESCHED_DEADLINE_CHUNKS": "1" if chunks else "0"}
+    if getattr(args, "step_cap", None):
+        env = env | {"SLICESCHED_STEP_CAP_S": repr(cap_for(args, policy))}
     return name, env
 
 

@@ -63,3 +63,18 @@ def name_list(text: str) -> tuple[str, ...]:
     if len(set(out)) != len(out):
         raise argparse.ArgumentTypeError(f"names repeat: {text}")
     return out
+
+
+def name_seconds(text: str) -> dict[str, float]:
+    """A comma-separated list of ``NAME=SECONDS`` (distinct names, seconds ≥ 0), e.g. ``container=0.04,slice=0.06``."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"expected NAME=SECONDS, got {part!r}")
+        if name.strip() in out:
+            raise argparse.ArgumentTypeError(f"names repeat: {text}")
+        out[name.strip()] = nonneg_float(value.strip())
+    if not out:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of NAME=SECONDS, e.g. container=0.04")
+    return out

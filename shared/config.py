@@ -449,6 +449,7 @@ class Settings:
     metrics_port: int = 0  # services other than the gateway serve /metrics + /health here (0 = pick free)
     metrics_host: str = "127.0.0.1"  # loopback unless SLICESCHED_METRICS_HOST (or a non-loopback gateway host) says so
     deadline_chunks: bool = False  # workers: SLICESCHED_DEADLINE_CHUNKS=1 (shared/model/deadline.py)
+    step_cap_s: float = 0.0  # workers: SLICESCHED_STEP_CAP_S, 0 = off (shared/model/step_cap.py)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Settings":
@@ -462,6 +463,7 @@ class Settings:
         port = env_number("SLICESCHED_GATEWAY_PORT", 8000, int, minimum=0, maximum=65535, env=e)
         mport = env_number("SLICESCHED_METRICS_PORT", 0, int, minimum=0, maximum=65535, env=e)
         deadline = env_number("SLICESCHED_DEADLINE_CHUNKS", 0, int, minimum=0, maximum=1, env=e)
+        step_cap = env_number("SLICESCHED_STEP_CAP_S", 0.0, float, minimum=0, env=e)
         gw_host = e.get("SLICESCHED_GATEWAY_HOST", "127.0.0.1")
         metrics_host = e.get("SLICESCHED_METRICS_HOST") or (
             "127.0.0.1" if gw_host in ("127.0.0.1", "localhost", "::1") else gw_host)
@@ -473,7 +475,7 @@ class Settings:
                    tenants_file=e.get("SLICESCHED_TENANTS", str(REPO_CONFIGS / "tenants.yaml")),
                    log_format=e.get("SLICESCHED_LOG_FORMAT", "auto"), log_level=e.get("SLICESCHED_LOG_LEVEL", "info"),
                    gateway_host=gw_host, gateway_port=port, metrics_port=mport, metrics_host=metrics_host,
-                   deadline_chunks=bool(deadline))
+                   deadline_chunks=bool(deadline), step_cap_s=step_cap)
 
 
 def load_runtime(env: dict[str, str] | None = None) -> tuple[Settings, ClusterConfig, TenantsConfig]:

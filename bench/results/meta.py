@@ -78,6 +78,8 @@ def compare_command(workload: str, cluster: str, policies: Sequence[str], fideli
         argv += ["--containers", options["containers"]]
     if options.get("deadline_chunks"):
         argv += ["--deadline-chunks", ",".join(options["deadline_chunks"])]
+    if options.get("step_cap"):
+        argv += ["--step-cap", ",".join(f"{p}={v:g}" for p, v in options["step_cap"].items())]
     argv += ["--json", display_path(json_out)]
     return shlex.join(argv)
 

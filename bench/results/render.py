@@ -125,13 +125,20 @@ def policy_table(res: Mapping[str, Any]) -> list[str]:
         w9, w1 = r.get("worst_tenant_violation_rate_9"), r.get("worst_tenant_violation_rate_1")
         wt9 = "–" if name == "pooled-bound" else f"{r.get('worst_tenant_9') or '–'} {pct(w9)}"
         wt1 = "–" if name == "pooled-bound" else f"{r.get('worst_tenant_1') or '–'} {pct(w1)}"
-        label = f"{name} (deadline-aware chunks)" if name in (res.get("deadline_chunks") or ()) else name
+        label = engine_label(name, res)
         lines.append(f"| {label} | {fmt(r['max_scale_9'], '.3g')}{_range(r, 'max_scale_9', '.3g')} | "
                      f"{fmt(r['tokens_per_s_9'], '.1f')} | {fmt(x9.get('9'))}{_range(x9, '9', '.2f')} |{c9} "
                      f"{pct(r.get('violation_rate'))} | {wt9} | {_leases(r.get('leases'))} | "
                      f"{fmt(r['max_scale_1'], '.3g')} | {fmt(r['tokens_per_s_1'], '.1f')} | "
                      f"{fmt(x1.get('1'))}{_range(x1, '1', '.2f')} | {wt1} |")
     return lines
+
+
+def engine_label(name: str, res: Mapping[str, Any]) -> str:
+    """``name`` with the engine options it ran with in ``res`` (deadline-aware chunks, a step cap)."""
+    opts = (["deadline-aware chunks"] if name in (res.get("deadline_chunks") or ()) else []) + \
+        ([f"steps ≤ {res['step_cap_s'][name]:g} s"] if (res.get("step_cap_s") or {}).get(name) else [])
+    return f"{name} ({', '.join(opts)})" if opts else name
 
 
 def containers_lines(res: Mapping[str, Any]) -> list[str]:
@@ -143,6 +150,7 @@ def containers_lines(res: Mapping[str, Any]) -> list[str]:
     if mode == "plan":
         dev = c.get("devices") or {}
         how = " with deadline-aware chunked prefill" if c.get("deadline_chunks") else ""
+        how += f"{' and' if how else ' with'} steps capped at {c['step_cap_s']:g} s" if c.get("step_cap_s") else ""
         return [f"- containers: planned by `slicesched plan containers`{how} on arrival seeds "
                 f"{', '.join(map(str, c.get('tuning_seeds') or []))} (not reported), every tenant within 9% up to rate "
                 f"scale {fmt(c.get('planned_scale'), '.3g')} there; devices per tenant: "

@@ -16,7 +16,7 @@ import sys
 import time
 
 from loadgen.mix import SCALE_MODES
-from shared.argtypes import fraction, positive_float, seed_list
+from shared.argtypes import fraction, nonneg_float, positive_float, seed_list
 from shared.config import load_cluster
 
 TUNING_SEEDS = (101, 102)  # arrival seeds planning tunes on (bench compare reports other seeds)
@@ -37,6 +37,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     c.add_argument("--tolerance", type=positive_float, default=0.03, help="bisection stop (hi/lo < 1 + tolerance)")
     c.add_argument("--deadline-chunks", action="store_true",
                    help="plan with deadline-aware chunked prefill in every replica (as simulate --deadline-chunks)")
+    c.add_argument("--step-cap-s", type=nonneg_float, default=0.0, metavar="S",
+                   help="plan with every replica's steps capped at S seconds while sequences decode (as simulate "
+                        "--step-cap-s; 0, the default: no cap)")
     c.add_argument("--at-scale", type=positive_float, default=None,
                    help="instead: the fewest devices each tenant needs at this rate scale")
     c.add_argument("-o", "--out", default=None, help="write the containers file here")
@@ -53,14 +56,15 @@ def workload_factory(path: str, duration_s: float | None, scale_mode: str | None
 
 def plan_for(workload: str, cluster_path: str, seeds: tuple[int, ...], bound: float = 0.09,
              duration_s: float | None = None, scale_mode: str | None = None, tolerance: float = 0.03,
-             deadline_chunks: bool = False):
+             deadline_chunks: bool = False, step_cap_s: float = 0.0):
     """Plan the partition of ``cluster_path`` for ``workload`` (returns the cluster and the Plan), the containers'
-    replicas prefilling in arrival order or, with ``deadline_chunks``, first-token deadline first."""
+    replicas prefilling in arrival order or, with ``deadline_chunks``, first-token deadline first, their steps
+    capped at ``step_cap_s`` while sequences decode (0: no cap)."""
     from shared.sim import SimConfig
     from shared.sim.planner import ContainerPlanner
     cluster = load_cluster(cluster_path)
     planner = ContainerPlanner(cluster, workload_factory(workload, duration_s, scale_mode), seeds, bound, tolerance,
-                               sim_config=SimConfig(deadline_chunks=deadline_chunks))
+                               sim_config=SimConfig(deadline_chunks=deadline_chunks, step_cap_s=step_cap_s))
     return cluster, planner.plan()
 
 
@@ -78,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     planner = ContainerPlanner(cluster, workload_factory(args.workload, args.duration_s, args.scale_mode),
                                args.seeds, args.bound, args.tolerance,
-                               sim_config=SimConfig(deadline_chunks=args.deadline_chunks))
+                               sim_config=SimConfig(deadline_chunks=args.deadline_chunks,
+                                                    step_cap_s=args.step_cap_s))
     try:
         if args.at_scale is not None:
             needs = planner.devices_for(args.at_scale)
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         meta = {"workload": args.workload, "cluster": args.cluster, "tuning_seeds": list(plan.seeds),
                 "bound": plan.bound, "max_scale": round(plan.max_scale, 4), "duration_s": args.duration_s,
-                "scale_mode": args.scale_mode, "deadline_chunks": args.deadline_chunks, "devices": plan.counts,
+                "scale_mode": args.scale_mode, "deadline_chunks": args.deadline_chunks, "step_cap_s": args.step_cap_s, "devices": plan.counts,
                 "date": dt.date.today().isoformat()}
         cmd = shlex.join(["slicesched", "plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else ""
         write_containers(args.out, homes_of(cluster, plan.counts), meta,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from loadgen.mix import SCALE_MODES
-from shared.argtypes import fraction, nonneg_int
+from shared.argtypes import fraction, nonneg_float, nonneg_int
 from shared.config import ClusterConfig, ConfigError, load_cluster
 from shared.registry import UnknownNameError
 from shared.workload import Workload
@@ -40,6 +40,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="engines admit and chunk prompts by first-token deadline and cut a step short of a chunk "
                         "that would make a prompt it completes late (the workers' SLICESCHED_DEADLINE_CHUNKS; off by "
                         "default)")
+    p.add_argument("--step-cap-s", type=nonneg_float, default=0.0, metavar="S",
+                   help="while sequences decode, an engine's step takes prefill tokens only while its predicted time "
+                        "stays within S seconds (TPOT-bounded chunked prefill; the workers' SLICESCHED_STEP_CAP_S; "
+                        "0, the default: no cap)")
     p.add_argument("--stop-above", type=fraction, default=None,
                    help="stop as soon as the run is known to violate more than this fraction (in aggregate or for a "
                         "tenant with >= 100 requests); its figures then cover the requests arrived so far")
@@ -128,7 +132,8 @@ def with_containers(w: Workload, homes: Mapping[str, Any] | None) -> Workload:
 def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict[str, Any] | None = None,
              seed: int | None = None, step_by_step: bool = False, progress: Any = None,
              containers: str | Mapping[str, Any] | None = "homes", stop_above: float | None = None,
-             anatomy_bin_s: float | None = None, deadline_chunks: bool = False) -> dict[str, Any]:
+             anatomy_bin_s: float | None = None, deadline_chunks: bool = False,
+             step_cap_s: float = 0.0) -> dict[str, Any]:
     """Run one simulation; returns the result dict with ``wall_s`` added. The policy gets the cluster file's
     ``policies.<name>`` overridden by ``params``, as the live scheduler does (:func:`policy_params`), and starts
     from the containers ``containers`` names (:func:`homes_for`). With ``anatomy_bin_s`` the result also holds
@@ -139,7 +144,7 @@ def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict
     if getattr(POLICIES.get(policy_name), "analytic", False):
         return ceiling_result(cluster, w, policy_name)
     policy = make_policy(policy_name, policy_params(policy_name, cluster.policy_params.get(policy_name), params))
-    cfg = SimConfig(closed_form=not step_by_step, deadline_chunks=deadline_chunks)
+    cfg = SimConfig(closed_form=not step_by_step, deadline_chunks=deadline_chunks, step_cap_s=step_cap_s)
     rng = random.Random(w.seed if seed is None else seed)
     t0 = time.perf_counter()
     sim = Simulator(cluster, w.tenants, policy, cfg, rng)
@@ -155,6 +160,7 @@ def simulate(cluster: ClusterConfig, w: Workload, policy_name: str, params: dict
         out["anatomy"] = anatomy(sim, w, anatomy_bin_s)
     out["homes"] = {t.name: list(t.home_devices) for t in w.tenants.tenants}
     out["deadline_chunks"] = deadline_chunks
+    out["step_cap_s"] = step_cap_s
     out["wall_s"] = time.perf_counter() - t0
     out["events_per_s"] = out["events"] / out["wall_s"] if out["wall_s"] > 0 else 0.0
     return out
@@ -202,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     bar, update = _bar(show)
     try:
         out = simulate(cluster, w, args.policy, params, args.seed, args.step_by_step, update, args.containers,
-                       args.stop_above, deadline_chunks=args.deadline_chunks)
+                       args.stop_above, deadline_chunks=args.deadline_chunks, step_cap_s=args.step_cap_s)
     except (UnknownNameError, PolicyConfigError) as e:
         print(f"slicesched simulate: {e}", file=sys.stderr)
         return 2

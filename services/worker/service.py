@@ -435,20 +435,30 @@ class WorkerService:
         """With ``SLICESCHED_DEADLINE_CHUNKS=1``: when ``r``'s first token is due (its arrival at the gateway plus
         its TTFT target), and ``eng`` set to admit and chunk prompts by that deadline with its iterations priced by
         the cost model of this device's kind (``shared/model/deadline.py``, as the simulator's
-        ``deadline_chunks``); ``inf`` (arrival order) otherwise or where the kind has no profile."""
+        ``deadline_chunks``); ``inf`` (arrival order) otherwise or where the kind has no profile. With
+        ``SLICESCHED_STEP_CAP_S`` > 0 it also sets ``eng``'s step cap (``shared/model/step_cap.py``)."""
         spec = self.tenants_by_name.get(r.tenant)
-        if not self.s.deadline_chunks or spec is None:
+        if spec is None or not (self.s.deadline_chunks or self.s.step_cap_s):
             return math.inf
-        if eng.deadline_step is None:
+        step = eng.deadline_step or (eng.step_cap[1] if eng.step_cap is not None else None)
+        if step is None:
             try:
                 cost = cost_for(spec.model.config, self.device.kind)
             except ConfigError as e:
                 if r.tenant not in self._no_deadline:  # logged once per tenant
                     self._no_deadline.add(r.tenant)
-                    log.warning("deadline_chunks_unavailable", tenant=r.tenant, kind=self.device.kind, error=str(e))
+                    log.warning("step_model_unavailable", tenant=r.tenant, kind=self.device.kind, error=str(e),
+                                deadline_chunks=self.s.deadline_chunks, step_cap_s=self.s.step_cap_s)
                 return math.inf
             scale = getattr(eng, "time_scale", 1.0)  # an emulated engine's iterations last scale × the model's
-            eng.deadline_step = lambda *a: scale * cost.iteration_time(*a)
+
+            def step(*a: int) -> float:
+                return scale * cost.iteration_time(*a)
+        if self.s.step_cap_s and eng.step_cap is None:
+            eng.step_cap = (self.s.step_cap_s, step)
+        if not self.s.deadline_chunks:
+            return math.inf
+        eng.deadline_step = step
         ttft = request_targets(spec.sla, spec.model.config, len(r.prompt_ids), r.max_tokens)[0]
         return (r.arrival_ts if r.arrival_ts > 0 else time.time()) + ttft
 

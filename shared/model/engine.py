@@ -19,6 +19,7 @@ import torch
 
 from shared.model.batch import BatchContext, SeqChunk, build_context
 from shared.model.deadline import deadline_chunks
+from shared.model.step_cap import cap_chunks
 from shared.model.graph import segment_names
 from shared.model.llama import LlamaModel
 from shared.model.sampling import (SamplingOptions, apply_penalties, make_generator, sample_row, token_logprobs,
@@ -145,6 +146,9 @@ class Engine:
         # (decode rows, their context, prefill tokens, query-key pairs, KV rows read, rows sampled) -> seconds;
         # requests are then admitted and chunked by their first-token deadlines (add's ``deadline``, on ``clock``)
         self.deadline_step: Callable[[int, int, int, int, int, int], float] | None = None
+        # TPOT-bounded chunked prefill (shared/model/step_cap.py) while set: (seconds, the predicted time of an
+        # iteration as deadline_step's); a step with sequences decoding takes prefill only while within the seconds
+        self.step_cap: tuple[float, Callable[[int, int, int, int, int, int], float]] | None = None
         self.clock: Callable[[], float] = time.time
 
     # ---------------------------------------------------------------- capacity
@@ -317,20 +321,24 @@ class Engine:
             for seq, _ in plan:
                 self._running.move_to_end(seq.request_id)
         step = self.deadline_step
+        n_dec, dec_kv = len(plan), sum(c.start + 1 for _, c in plan)
         if step is not None and budget:
-            n_dec, dec_kv = len(plan), sum(c.start + 1 for _, c in plan)
             chunks = deadline_chunks(((s, s.computed, len(s.prompt) - s.computed, s.deadline)
                                       for s in self._running.values() if s.prefilling and s.request_id not in paused),
                                      budget, self.clock(),
                                      lambda p, pairs, reads, done: step(n_dec, dec_kv, p, pairs, reads, n_dec + done))
-            plan += [(s, SeqChunk(s.request_id, s.computed, n)) for s, n in chunks]
-            return plan
-        for seq in self._running.values():
-            if budget and seq.prefilling and seq.request_id not in paused:
-                n = min(len(seq.prompt) - seq.computed, budget)
-                plan.append((seq, SeqChunk(seq.request_id, seq.computed, n)))
-                budget -= n
-        return plan
+        else:
+            chunks = []
+            for seq in self._running.values():
+                if budget and seq.prefilling and seq.request_id not in paused:
+                    n = min(len(seq.prompt) - seq.computed, budget)
+                    chunks.append((seq, n))
+                    budget -= n
+        if self.step_cap is not None and n_dec and chunks:
+            cap, t = self.step_cap
+            chunks = cap_chunks(((s, s.computed, n, len(s.prompt) - s.computed) for s, n in chunks), cap,
+                                lambda p, pairs, reads, done: t(n_dec, dec_kv, p, pairs, reads, n_dec + done))
+        return plan + [(s, SeqChunk(s.request_id, s.computed, n)) for s, n in chunks]
 
     def step(self) -> StepResult:
         """Run one iteration over the running batch; returns its events and timings.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 from shared.costmodel.model_cost import ModelCost
 from shared.costmodel.offload import offloaded_iteration_time
 from shared.model.deadline import deadline_chunks
+from shared.model.step_cap import cap_chunks
 from shared.sim.request import DONE, RUNNING, SimRequest
 
 if TYPE_CHECKING:
@@ -169,6 +170,10 @@ class SimReplica:
                 q = min(r.input - r.prefilled, budget)
                 picked.append((r, q))
                 budget -= q
+        if self.cfg.step_cap_s and b and picked:  # TPOT-bounded chunks while sequences decode (step_cap.py)
+            cost, kv = self.cost, self.decode_kv
+            picked = cap_chunks(((r, r.prefilled, q, r.input - r.prefilled) for r, q in picked), self.cfg.step_cap_s,
+                                lambda p, pr, rd, c: slow * cost.iteration_time(b, kv, p, pr, rd, b + c))
         for r, q in picked:
             chunks.append((r, q))
             p_tok += q

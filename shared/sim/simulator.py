@@ -47,6 +47,9 @@ class SimConfig:
     # prompts admitted and chunked by first-token deadline, a step cut short of a chunk that would make a prompt it
     # completes late (shared/model/deadline.py; the workers' SLICESCHED_DEADLINE_CHUNKS)
     deadline_chunks: bool = False
+    # while sequences decode, a step takes prefill tokens only while its predicted time stays within this many
+    # seconds (shared/model/step_cap.py; the workers' SLICESCHED_STEP_CAP_S); 0: no cap
+    step_cap_s: float = 0.0
 
 
 class Simulator:

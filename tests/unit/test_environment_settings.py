@@ -36,11 +36,17 @@ def test_env_number_default_value_and_bounds():
 
 @pytest.mark.parametrize("name, raw", [("SLICESCHED_GATEWAY_PORT", "http"), ("SLICESCHED_METRICS_PORT", "x"),
                                        ("SLICESCHED_METRICS_PORT", "-1"), ("SLICESCHED_DRAIN_S", "soon"),
-                                       ("SLICESCHED_DEADLINE_CHUNKS", "2"), ("SLICESCHED_DEADLINE_CHUNKS", "yes")])
+                                       ("SLICESCHED_DEADLINE_CHUNKS", "2"), ("SLICESCHED_DEADLINE_CHUNKS", "yes"),
+                                       ("SLICESCHED_STEP_CAP_S", "-0.1"), ("SLICESCHED_STEP_CAP_S", "fast")])
 def test_settings_name_the_variable_that_is_wrong(name, raw):
     with pytest.raises(ConfigError) as ei:
         Settings.from_env({**BASE, name: raw})
     assert ei.value.file == "environment" and ei.value.field_path == name
+
+
+def test_the_step_cap_is_off_unless_set():
+    assert Settings.from_env(BASE).step_cap_s == 0.0
+    assert Settings.from_env({**BASE, "SLICESCHED_STEP_CAP_S": "0.04"}).step_cap_s == 0.04
 
 
 @pytest.mark.parametrize("name, raw", [("SLICESCHED_LEASE_MICRO_BATCHES", "0"), ("SLICESCHED_SEGMENT_TIMEOUT_FACTOR", "x"),

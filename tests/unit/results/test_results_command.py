@@ -67,6 +67,25 @@ def test_the_commands_name_the_policies_run_with_deadline_aware_chunks(capsys):
     assert len(err) == 1 and "--deadline-chunks" in err[0] and "pooled-bound" in err[0]
 
 
+def test_the_commands_name_each_policys_step_cap(capsys):
+    import argparse
+
+    from bench.bench_results import configure, results_command
+    p = argparse.ArgumentParser()
+    configure(p)
+    args = p.parse_args(["--only", "sim", "--step-cap", "container=0.04,slice=0.06"])
+    assert shlex.split(results_command(args))[-2:] == ["--step-cap", "container=0.04,slice=0.06"]
+    assert "--step-cap" not in results_command(p.parse_args(["--only", "sim"]))
+    argv = shlex.split(compare_command("w.yaml", "c.yaml", ["container"], "sim", "o.json",
+                                       {"step_cap": {"container": 0.04}}))
+    assert argv[argv.index("--step-cap") + 1] == "container=0.04"
+    from services.cli.main import main
+    assert main(["bench", "results", "--only", "sim", "--step-cap", "pooled-bound=0.04", "--out",
+                 "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--step-cap" in err[0] and "pooled-bound" in err[0]
+
+
 def test_the_commit_says_when_the_code_differs_from_it_but_not_for_the_docs(tmp_path):
     import subprocess
 

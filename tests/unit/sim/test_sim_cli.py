@@ -432,7 +432,9 @@ def test_bench_tune_ranks_candidates_against_container_on_the_same_points(files,
 
 @pytest.mark.parametrize("grid, field", [("bogus=1", "bogus"), ("min_deficit=x", "must be a number"),
                                          ("min_deficit", "KEY=V1,V2"), ("min_deficit=1,,2", "KEY=V1,V2"),
-                                         ("deadline_chunks=maybe", "expected true or false")])
+                                         ("deadline_chunks=maybe", "expected true or false"),
+                                         ("step_cap_s=-0.1", "expected seconds"),
+                                         ("step_cap_s=fast", "expected seconds")])
 def test_bench_tune_refuses_a_bad_grid_naming_it(files, capsys, grid, field):
     rc = main(["bench", "tune", "--policy", "container-realloc", "--grid", grid, "--workloads",
                str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml")])
@@ -587,3 +589,82 @@ def test_plan_containers_with_deadline_chunks(files, monkeypatch):
                      "-o", str(out), *flag]) == 0
         assert planned and set(planned) == {want}
         assert yaml.safe_load(out.read_text())["plan"]["deadline_chunks"] is want
+
+
+def test_step_cap_per_policy_in_bench_compare(files, capsys, monkeypatch):
+    """``--step-cap container=0.05`` runs container's points (and the plan made for it) with its steps capped and
+    the other policies uncapped; the JSON says so; a point in a subprocess gets ``--step-cap-s``; a mesh point gets
+    SLICESCHED_STEP_CAP_S; a reuse with another cap and bad values are one-line errors."""
+    import services.cli.simulate as simulate_mod
+    import shared.sim.planner as planner_mod
+    from bench import bench_compare
+    from bench.compare_mesh import point_env
+    seen, planned = [], []
+    real_sim, real_sim_cls = simulate_mod.simulate, planner_mod.Simulator
+
+    def spy(cluster, w, policy, *a, **k):
+        seen.append((policy, k.get("step_cap_s")))
+        return real_sim(cluster, w, policy, *a, **k)
+
+    def spy_cls(cluster, tenants, policy, cfg, rng):
+        planned.append(cfg.step_cap_s)
+        return real_sim_cls(cluster, tenants, policy, cfg, rng)
+    monkeypatch.setattr(simulate_mod, "simulate", spy)
+    monkeypatch.setattr(planner_mod, "Simulator", spy_cls)
+    out = files / "cap.json"
+    base = ["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+            "--duration-s", "20", "--tolerance", "0.3", "--start-scale", "8", "--seeds", "1", "--tuning-seeds", "7"]
+    assert main([*base, "--policies", "container,slice", "--step-cap", "container=0.05", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["step_cap_s"] == {"container": 0.05} and r["containers"]["step_cap_s"] == 0.05
+    assert planned and set(planned) == {0.05}
+    assert {p for p, c in seen if c == 0.05} == {"container"} and {p for p, c in seen if not c} == {"slice"}
+    assert "step cap): container 0.05 s" in capsys.readouterr().out
+    assert main([*base, "--policies", "container,slice", "--step-cap", "container=0.04",
+                 "--reuse", f"container={out}"]) == 2
+    assert "container ran with a step cap of 0.05 s there, 0.04 s here" in _one_line_error(capsys)
+    assert main([*base, "--policies", "container,slice", "--step-cap", "pooled-bound=0.05"]) == 2
+    assert "--step-cap: pooled-bound is not among --policies" in _one_line_error(capsys)
+    for bad, needle in (("container", "expected NAME=SECONDS"), ("container=-1", "must be >= 0"),
+                        ("container=1,container=2", "names repeat")):
+        with pytest.raises(SystemExit) as e:
+            main([*base, "--policies", "container", "--step-cap", bad])
+        assert e.value.code == 2 and needle in capsys.readouterr().err, bad
+    cmds = []
+    monkeypatch.setattr(bench_compare.CHILDREN, "run", lambda cmd, cwd: (
+        cmds.append(cmd), argparse.Namespace(returncode=1, stderr="stopped"))[1])
+    args = argparse.Namespace(jobs=2, cluster="c.yaml", workload="w.yaml", duration_s=None, homes=None,
+                              step_cap={"container": 0.05})
+    for policy in ("container", "slice"):
+        with pytest.raises(RuntimeError):
+            bench_compare.run_sim_point(args, policy, 2.0, seed=1)
+    assert [c[c.index("--step-cap-s") + 1] if "--step-cap-s" in c else None for c in cmds] == ["0.05", None]
+    args = argparse.Namespace(sim_steering=None, lane_handback=None, step_cap={"slice": 0.05})
+    assert point_env(args, "slice") == ("slice", {"SLICESCHED_STEP_CAP_S": "0.05"})
+    assert point_env(args, "container") == ("container", {"SLICESCHED_STEP_CAP_S": "0.0"})
+
+
+def test_simulate_and_plan_take_a_step_cap(files, capsys, monkeypatch):
+    """``simulate --step-cap-s`` and ``plan containers --step-cap-s`` run every replica with the cap (the result and
+    the containers file say which); a negative cap is a one-line usage error."""
+    import shared.sim.planner as planner_mod
+    planned, real_sim_cls = [], planner_mod.Simulator
+
+    def spy_cls(cluster, tenants, policy, cfg, rng):
+        planned.append(cfg.step_cap_s)
+        return real_sim_cls(cluster, tenants, policy, cfg, rng)
+    monkeypatch.setattr(planner_mod, "Simulator", spy_cls)
+    out = files / "capped.yaml"
+    assert main(["plan", "containers", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+                 "--seeds", "5", "--duration-s", "20", "--tolerance", "0.3", "-o", str(out),
+                 "--step-cap-s", "0.03"]) == 0
+    assert planned and set(planned) == {0.03}
+    assert yaml.safe_load(out.read_text())["plan"]["step_cap_s"] == 0.03
+    js = files / "sim.json"
+    assert main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+                 "--policy", "container", "--duration-s", "10", "--step-cap-s", "0.03", "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["step_cap_s"] == 0.03
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--cluster", str(files / "cluster.yaml"), "--workload", str(files / "w.yaml"),
+              "--policy", "container", "--step-cap-s", "-1"])
+    assert e.value.code == 2 and "--step-cap-s" in capsys.readouterr().err

@@ -140,8 +140,7 @@ def test_bench_compare_reuses_an_unchanged_policys_searches(files, capsys, monke
     refused in one line naming what differs."""
     from bench import bench_compare
     first = files / "first.json"
-    base = ["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
-            "--duration-s", "20", "--tolerance", "0.3", "--start-scale", "8", "--seeds", "1", "--tuning-seeds", "7"]
+    base = _small_compare(files)
     assert main([*base, "--policies", "container", "--json", str(first)]) == 0
     prev = json.loads(first.read_text())
     assert prev["search"] == {"start_scale": 8.0, "tolerance": 0.3, "max_scale": 256.0}
@@ -518,29 +517,40 @@ def test_bench_tune_stops_every_search_on_an_interrupt(files, monkeypatch):
         CHILDREN.stopping.clear()
 
 
-def test_deadline_chunks_per_policy_in_bench_compare(files, capsys, monkeypatch):
-    """``--deadline-chunks container`` runs container's points (and the plan sized for it) with deadline-aware
-    chunked prefill and the other policies in arrival order; the JSON says which; a point in a subprocess gets
-    ``--deadline-chunks``; a mesh point gets SLICESCHED_DEADLINE_CHUNKS 1 or 0; bad names are one-line errors."""
+def _small_compare(files) -> list[str]:
+    """A short ``bench compare`` on the test files (one reporting seed, one tuning seed)."""
+    return ["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
+            "--duration-s", "20", "--tolerance", "0.3", "--start-scale", "8", "--seeds", "1", "--tuning-seeds", "7"]
+
+
+def _spy_engine_option(monkeypatch, key: str) -> tuple[list, list]:
+    """(the (policy, ``key``) of every simulated point, the ``SimConfig.<key>`` of every planning simulation)."""
     import services.cli.simulate as simulate_mod
     import shared.sim.planner as planner_mod
-    from bench import bench_compare
-    from bench.compare_mesh import point_env
     seen, planned = [], []
     real_sim, real_sim_cls = simulate_mod.simulate, planner_mod.Simulator
 
     def spy(cluster, w, policy, *a, **k):
-        seen.append((policy, k.get("deadline_chunks")))
+        seen.append((policy, k.get(key)))
         return real_sim(cluster, w, policy, *a, **k)
 
     def spy_cls(cluster, tenants, policy, cfg, rng):
-        planned.append(cfg.deadline_chunks)
+        planned.append(getattr(cfg, key))
         return real_sim_cls(cluster, tenants, policy, cfg, rng)
     monkeypatch.setattr(simulate_mod, "simulate", spy)
     monkeypatch.setattr(planner_mod, "Simulator", spy_cls)
+    return seen, planned
+
+
+def test_deadline_chunks_per_policy_in_bench_compare(files, capsys, monkeypatch):
+    """``--deadline-chunks container`` runs container's points (and the plan sized for it) with deadline-aware
+    chunked prefill and the other policies in arrival order; the JSON says which; a point in a subprocess gets
+    ``--deadline-chunks``; a mesh point gets SLICESCHED_DEADLINE_CHUNKS 1 or 0; bad names are one-line errors."""
+    from bench import bench_compare
+    from bench.compare_mesh import point_env
+    seen, planned = _spy_engine_option(monkeypatch, "deadline_chunks")
     out = files / "dc.json"
-    base = ["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
-            "--duration-s", "20", "--tolerance", "0.3", "--start-scale", "8", "--seeds", "1", "--tuning-seeds", "7"]
+    base = _small_compare(files)
     assert main([*base, "--policies", "container,slice", "--deadline-chunks", "container", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["deadline_chunks"] == ["container"] and r["containers"]["deadline_chunks"] is True
@@ -595,25 +605,11 @@ def test_step_cap_per_policy_in_bench_compare(files, capsys, monkeypatch):
     """``--step-cap container=0.05`` runs container's points (and the plan made for it) with its steps capped and
     the other policies uncapped; the JSON says so; a point in a subprocess gets ``--step-cap-s``; a mesh point gets
     SLICESCHED_STEP_CAP_S; a reuse with another cap and bad values are one-line errors."""
-    import services.cli.simulate as simulate_mod
-    import shared.sim.planner as planner_mod
     from bench import bench_compare
     from bench.compare_mesh import point_env
-    seen, planned = [], []
-    real_sim, real_sim_cls = simulate_mod.simulate, planner_mod.Simulator
-
-    def spy(cluster, w, policy, *a, **k):
-        seen.append((policy, k.get("step_cap_s")))
-        return real_sim(cluster, w, policy, *a, **k)
-
-    def spy_cls(cluster, tenants, policy, cfg, rng):
-        planned.append(cfg.step_cap_s)
-        return real_sim_cls(cluster, tenants, policy, cfg, rng)
-    monkeypatch.setattr(simulate_mod, "simulate", spy)
-    monkeypatch.setattr(planner_mod, "Simulator", spy_cls)
+    seen, planned = _spy_engine_option(monkeypatch, "step_cap_s")
     out = files / "cap.json"
-    base = ["bench", "compare", "--workload", str(files / "w.yaml"), "--cluster", str(files / "cluster.yaml"),
-            "--duration-s", "20", "--tolerance", "0.3", "--start-scale", "8", "--seeds", "1", "--tuning-seeds", "7"]
+    base = _small_compare(files)
     assert main([*base, "--policies", "container,slice", "--step-cap", "container=0.05", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["step_cap_s"] == {"container": 0.05} and r["containers"]["step_cap_s"] == 0.05

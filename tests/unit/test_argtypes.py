@@ -10,7 +10,7 @@ import pytest
 
 from loadgen.cli import main as loadgen_main
 from services.cli.main import main as cli_main
-from shared.argtypes import fraction, http_url, nonneg_float, nonneg_int, positive_float, positive_int
+from shared.argtypes import fraction, http_url, name_seconds, nonneg_float, nonneg_int, positive_float, positive_int
 
 
 @pytest.mark.parametrize("parse, good, bad", [
@@ -26,6 +26,15 @@ def test_number_types(parse, good, bad):
     for text in bad:
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)
+
+
+def test_name_seconds_maps_each_name_to_its_seconds():
+    assert name_seconds("container=0.04, slice=0.06") == {"container": 0.04, "slice": 0.06}
+    assert name_seconds("container=0") == {"container": 0.0}
+    for bad, why in (("container", "NAME=SECONDS"), ("=0.04", "NAME=SECONDS"), ("container=-1", ">= 0"),
+                     ("container=x", "a number"), ("a=1,a=2", "names repeat"), (",", "NAME=SECONDS")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            name_seconds(bad)
 
 
 def test_http_url():

@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         meta = {"workload": args.workload, "cluster": args.cluster, "tuning_seeds": list(plan.seeds),
                 "bound": plan.bound, "max_scale": round(plan.max_scale, 4), "duration_s": args.duration_s,
-                "scale_mode": args.scale_mode, "deadline_chunks": args.deadline_chunks, "step_cap_s": args.step_cap_s, "devices": plan.counts,
+                "scale_mode": args.scale_mode, "deadline_chunks": args.deadline_chunks, "step_cap_s": args.step_cap_s,
+                "devices": plan.counts,
                 "date": dt.date.today().isoformat()}
         cmd = shlex.join(["slicesched", "plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else ""
         write_containers(args.out, homes_of(cluster, plan.counts), meta,

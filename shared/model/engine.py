@@ -321,7 +321,8 @@ class Engine:
             for seq, _ in plan:
                 self._running.move_to_end(seq.request_id)
         step = self.deadline_step
-        n_dec, dec_kv = len(plan), sum(c.start + 1 for _, c in plan)
+        n_dec = len(plan)  # the decode batch's context only where a step is priced (not on the plain path)
+        dec_kv = sum(c.start + 1 for _, c in plan) if step is not None or self.step_cap is not None else 0
         if step is not None and budget:
             chunks = deadline_chunks(((s, s.computed, len(s.prompt) - s.computed, s.deadline)
                                       for s in self._running.values() if s.prefilling and s.request_id not in paused),

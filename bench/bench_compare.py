@@ -268,8 +268,7 @@ def compare(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
             return r
         s = _Search(policy, at, args, confirm_of(args))
         out: dict[str, Any] = {}
-        for key, bound in BOUNDS.items():
-            scale, r = s.max_scale(bound)
+        for key, (scale, r) in s.boundaries(BOUNDS).items():
             out.update(_boundary(scale, r, key))
             if key == "9":
                 out["violation_rate"] = r["violation_rate"] if r else None

@@ -127,6 +127,21 @@ class _Search:
                                  tokens_per_s=(old["tokens_per_s"] * n + r["tokens_per_s"]) / (n + 1))
         return self.cache[scale]
 
+    def boundaries(self, bounds: dict[str, float], passes_max: int = 8) -> dict[str, tuple[float, dict[str, Any] | None]]:
+        """Each bound's max sustainable scale (by key), the searches repeated until a round adds no point: a point
+        that one bound's search ran in full may fail another bound below where that bound's search had ended, and
+        its boundary then moves below that failure."""
+        out: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        for _ in range(passes_max):
+            seen = self._state()
+            out = {key: self.max_scale(bound) for key, bound in bounds.items()}
+            if self._state() == seen:
+                break
+        return out
+
+    def _state(self) -> tuple:
+        return tuple(sorted((s, r["replays"], r["stop_above"]) for s, r in self.cache.items()))
+
     def max_scale(self, bound: float) -> tuple[float, dict[str, Any] | None]:
         while True:
             lo, r = self._bisect(bound)
@@ -137,10 +152,10 @@ class _Search:
     def _bisect(self, bound: float) -> tuple[float, dict[str, Any] | None]:
         a = self.args
         known = {s: r for s, r in self.cache.items() if self._known(r, bound)}
-        ok = sorted(s for s, r in known.items() if passes(r, bound))
-        bad = sorted(s for s, r in known.items() if not passes(r, bound))
-        lo = ok[-1] if ok else None
-        hi = min((s for s in bad if lo is None or s > lo), default=None)
+        # the first failure bounds the answer: a load above one that fails the bound is not sustainable, even where
+        # a short trace's luck lets it pass (the boundary of a 60-s workload need not be monotone)
+        hi = min((s for s, r in known.items() if not passes(r, bound)), default=None)
+        lo = max((s for s, r in known.items() if passes(r, bound) and (hi is None or s < hi)), default=None)
         s = a.start_scale if lo is None and hi is None else None
         while lo is None or hi is None:
             if s is None:

@@ -234,7 +234,7 @@ def run_mesh(args: argparse.Namespace, out: Path, cmd: str, fidelity: str) -> No
     s = search_for(args, "mesh")
     chunks = tuple(p for p in getattr(args, "deadline_chunks", ()) if p in MESH_POLICIES)
     caps = {p: v for p, v in (getattr(args, "step_cap", None) or {}).items() if p in MESH_POLICIES}
-    planned = resolve_containers(_compare_ns(wl, cluster, "sim", s, 1, chunks, caps))[1]  # mesh and prediction
+    planned = resolve_containers(_compare_ns(wl, cluster, "sim", s, 1, chunks=chunks, caps=caps))[1]  # mesh, prediction
     rec = TimelineRecorder(("slice",))
     res = compare_part(wl, cluster, list(MESH_POLICIES), fidelity, s, 1, out / f"{fidelity}.json", cmd, args.quick,
                        hook=rec, containers=planned, chunks=chunks, caps=caps)

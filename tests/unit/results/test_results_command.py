@@ -86,6 +86,36 @@ def test_the_commands_name_each_policys_step_cap(capsys):
     assert len(err) == 1 and "--step-cap" in err[0] and "pooled-bound" in err[0]
 
 
+def test_a_mesh_part_plans_its_partition_with_the_engine_options_it_runs(monkeypatch, tmp_path):
+    """The mesh and its prediction run on one partition, planned as `bench compare` plans it: with `container`'s
+    prefill order and step cap, on the tuning seeds."""
+    import argparse
+
+    from bench import bench_compare
+    from bench.bench_results import configure, run_mesh
+
+    seen = []
+
+    class Planned(Exception):
+        pass
+
+    def resolve(ns):
+        seen.append(ns)
+        raise Planned
+
+    monkeypatch.setattr(bench_compare, "resolve_containers", resolve)
+    p = argparse.ArgumentParser()
+    configure(p)
+    args = p.parse_args(["--only", "emulated", "--deadline-chunks", "container,muxserve",
+                         "--step-cap", "container=0.06,slice=0.08"])
+    with pytest.raises(Planned):
+        run_mesh(args, tmp_path, "cmd", "emulated")
+    ns = seen[0]
+    assert ns.containers == "plan" and ns.fidelity == "sim"
+    assert ns.deadline_chunks == ("container",)
+    assert ns.step_cap == {"container": 0.06, "slice": 0.08}
+
+
 def test_the_commit_says_when_the_code_differs_from_it_but_not_for_the_docs(tmp_path):
     import subprocess
 

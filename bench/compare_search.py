@@ -83,6 +83,9 @@ def passes(r: dict[str, Any], bound: float) -> bool:
     return r["violation_rate"] <= bound and (r.get("worst_tenant_violation_rate") or 0.0) <= bound
 
 
+_Answer = tuple[float, "dict[str, Any] | None"]  # a bound's max sustainable scale and its point
+
+
 class _Search:
     """Points of one policy on one seed, cached by scale, and the two bisections over them.
 
@@ -127,11 +130,11 @@ class _Search:
                                  tokens_per_s=(old["tokens_per_s"] * n + r["tokens_per_s"]) / (n + 1))
         return self.cache[scale]
 
-    def boundaries(self, bounds: dict[str, float], passes_max: int = 8) -> dict[str, tuple[float, dict[str, Any] | None]]:
+    def boundaries(self, bounds: dict[str, float], passes_max: int = 8) -> dict[str, _Answer]:
         """Each bound's max sustainable scale (by key), the searches repeated until a round adds no point: a point
         that one bound's search ran in full may fail another bound below where that bound's search had ended, and
         its boundary then moves below that failure."""
-        out: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        out: dict[str, _Answer] = {}
         for _ in range(passes_max):
             seen = self._state()
             out = {key: self.max_scale(bound) for key, bound in bounds.items()}

@@ -9,11 +9,12 @@ the cost model only (no tensors move; everything here is emulated).
 * Guest: it pays for the guest time it actually serves, as a real worker's :class:`DeviceLock` charges it. When
   the driver is an emulated device of the same process (:class:`EmulatedPeers`; the launcher runs every emulated
   device in one process), each offloaded iteration charges the guest the MLP time it ran there; a charge that
-  arrives while the guest's own tenant is idle costs it nothing (the guest ran it in idle time), otherwise it is
-  owed and paid by delaying the guest's own iterations by at most ``share / (1 - share)`` of their length (the
-  credit a lease earns per second of home compute), the rest carried to the next one. A lease whose driver runs
-  in another process cannot charge: the guest's iterations are stretched as if it took its whole ``share`` (the
-  worst case the scheduler agreed to when it granted it).
+  arrives while the guest has no work (its own tenant's or a guest lane's) costs it nothing (the guest ran it in
+  idle time), otherwise it is owed and paid by delaying the guest's next iterations, its own and its lanes', by
+  :func:`~shared.guest_share.segment_payment` (at most ``share / (1 - share)`` of their length, the rest carried),
+  the rule the simulator's devices follow. A lease whose driver runs in another process cannot charge: the
+  guest's iterations are stretched as if it took its whole ``share`` (the worst case the scheduler agreed to when
+  it granted it).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from shared.costmodel import cost_for, load_profile, transfer_time
 from shared.messages import LeaseGranted, LeaseRevoked
 from shared.model.engine import StepResult
 from shared.costmodel.offload import OffloadPart, OffloadTiming, offloaded_iteration_time
+from shared.guest_share import MAX_OWED_S, segment_payment
 
 log = structlog.get_logger(__name__)
 
@@ -40,9 +42,6 @@ class _Lease:
 
     def live(self, now: float) -> bool:
         return self.state == "active" and self.msg.start_ts - 1.0 <= now < self.msg.end_ts
-
-
-MAX_OWED_S = 0.25  # guest time owed to drivers that a guest carries from one own iteration to the next
 
 
 class EmulatedPeers:
@@ -67,7 +66,7 @@ class EmulatedLeaseAgent:
 
     def __init__(self, *, cluster: ClusterConfig, device: DeviceConfig, tenant: TenantConfig,
                  tenants: TenantsConfig, engine, micro_batches: int = 2, clock=time.time,
-                 peers: EmulatedPeers | None = None) -> None:
+                 peers: EmulatedPeers | None = None, lanes=None) -> None:
         self.cluster, self.device, self.tenant, self.tenants = cluster, device, tenant, tenants
         self.engine, self.micro_batches, self.clock = engine, micro_batches, clock
         self.peers = peers
@@ -80,6 +79,15 @@ class EmulatedLeaseAgent:
         self.charged_s = 0.0  # all guest time same-process drivers charged (paid, carried, or free in idle time)
         self._lock = threading.Lock()  # charges come from the drivers' compute threads
         engine.time_hook = self.iteration_time
+        self.lanes = lanes  # the device's GuestLanes: their iterations pay what is owed too
+        if lanes is not None:
+            make = lanes.factory
+
+            def lane_engine(t, kv_blocks):
+                eng = make(t, kv_blocks)
+                eng.time_hook = self.lane_time
+                return eng
+            lanes.factory = lane_engine
         if peers is not None:
             peers.add(self)
 
@@ -154,6 +162,16 @@ class EmulatedLeaseAgent:
                     peer = self.peers.get(guest) if self.peers is not None else None
                     if peer is not None:
                         peer.charge(busy)
+        return self._as_guest(t, now)
+
+    def lane_time(self, plan, base_s: float) -> float:
+        """A guest lane's iteration here: stretched as the own tenant's are, to pay what drivers are owed."""
+        return self._as_guest(base_s, self.clock())
+
+    def _as_guest(self, t: float, now: float) -> float:
+        """An iteration ``t`` long on this device, stretched for the segment leases it hosts: by what
+        same-process drivers are owed (:func:`segment_payment`), or by the whole share of a lease whose driver
+        runs elsewhere."""
         hosted = [lz.msg for lz in self.hosting.values() if lz.live(now)]
         charged = sum(m.share for m in hosted if self._charges(m))
         worst = sum(m.share for m in hosted if not self._charges(m))
@@ -162,7 +180,7 @@ class EmulatedLeaseAgent:
             t = t / max(0.05, 1.0 - min(worst, 0.95))
         if charged > 0:
             with self._lock:
-                pay = min(self.owed_s, own * min(charged, 0.95) / (1.0 - min(charged, 0.95)))
+                pay = segment_payment(self.owed_s, own, charged)
                 self.owed_s -= pay
             t += pay
         self.stretched_s += t - own
@@ -184,11 +202,12 @@ class EmulatedLeaseAgent:
         return self.peers is not None and self.peers.get(msg.home_device) is not None
 
     def charge(self, seconds: float) -> None:
-        """A same-process driver ran ``seconds`` of its segments here: free while the own tenant is idle,
-        otherwise owed (paid from the next own iterations, at most :data:`MAX_OWED_S` carried)."""
+        """A same-process driver ran ``seconds`` of its segments here: free while the device has no work (its own
+        tenant's or a lane's), otherwise owed (paid from its next iterations, at most :data:`MAX_OWED_S` carried)."""
+        busy = self.engine.has_work() or (self.lanes is not None and self.lanes.has_work())
         with self._lock:
             self.charged_s += seconds
-            if self.engine.has_work():
+            if busy:
                 self.owed_s = min(MAX_OWED_S, self.owed_s + seconds)
 
     def _offloaded(self, plan, leases: list[LeaseGranted]) -> tuple[OffloadTiming, list[str]] | None:

@@ -136,7 +136,8 @@ class WorkerService:
         if self.device.backend == "emulated":
             from services.worker.emulated_leases import EmulatedLeaseAgent
             return EmulatedLeaseAgent(cluster=self.cluster, device=self.device, tenant=self.tenant, tenants=tenants,
-                                      engine=self.engine, peers=options)  # the process's EmulatedPeers, if any
+                                      engine=self.engine, peers=options,  # the process's EmulatedPeers, if any
+                                      lanes=self.lanes)
         from services.worker.lease_agent import LeaseAgent
         return LeaseAgent(prefix=self.p, redis=self.redis, gmg=self.gmg, cluster=self.cluster, device=self.device,
                           tenant=self.tenant, tenants=tenants, engine=self.engine, options=options,

@@ -7,7 +7,7 @@ from typing import Callable
 
 from shared.config import DeviceConfig
 from shared.costmodel.profiles import DeviceProfile
-from shared.guest_share import LANE_WINDOW_S, MIN_GUEST_SHARE, YIELD_MARGIN, own_yield
+from shared.guest_share import LANE_WINDOW_S, MAX_OWED_S, MIN_GUEST_SHARE, YIELD_MARGIN, own_yield, segment_payment
 from shared.sim.anatomy import BusyBins
 from shared.sim.replica import SimReplica
 from shared.sim.sim_lease import ACTIVE, DRAINING, SimLease
@@ -75,7 +75,8 @@ class SimDevice:
                  "cur_end", "cur_dur", "version", "rr", "busy_s", "guest_busy_s", "work_s", "hosted", "last_engine",
                  "quantum_used", "quantum", "schedule", "switch_cost", "state", "pending_switch_s", "switches",
                  "used_s",
-                 "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin", "exclusive_lanes", "hist", "bins")
+                 "parent", "lanes", "lease", "home_active", "f_dyn", "yield_margin", "exclusive_lanes", "hist", "bins",
+                 "seg_debt")
 
     def __init__(self, cfg: DeviceConfig, profile: DeviceProfile, headroom_fraction: float,
                  schedule: Callable[["SimDevice", float, int], None]) -> None:
@@ -113,6 +114,7 @@ class SimDevice:
         self.exclusive_lanes = True
         self.hist = LaneHistory()  # exclusive lanes: recent steps, for the guests' share
         self.bins: BusyBins | None = None  # busy time per bin, when the run records it (a lane shares its device's)
+        self.seg_debt = 0.0  # exclusive lanes: segment time run here while busy, not yet paid (kept on the device)
 
     def make_lane(self, lease: SimLease) -> "SimDevice":
         """A guest lane: its own step loop over this device's memory, running under ``lease``'s share."""
@@ -135,6 +137,25 @@ class SimDevice:
             if e.waiting or e.prefilling or e.decoding:
                 return True
         return False
+
+    def has_work(self) -> bool:
+        """The device has work: its own tenant's, or a guest lane's (busy or queued)."""
+        if self.own_active():
+            return True
+        for lane in self.lanes:
+            if lane.own_active():
+                return True
+        return False
+
+    def owe_segments(self, seconds: float, now: float) -> None:
+        """A driver ran ``seconds`` of offloaded segments here. With exclusive lanes the device's time is
+        conserved: segments run while it has work are owed, and its next steps (own or lane) are stretched to pay
+        (:func:`~shared.guest_share.segment_payment`); a closed-form run is cut so that the next step pays.
+        Segments run while it is idle cost nothing."""
+        if not self.exclusive_lanes or not self.has_work():
+            return
+        self.seg_debt = min(MAX_OWED_S, self.seg_debt + seconds)
+        self.interrupt(now)
 
     def lane_share(self) -> float:
         """Share of the parent's time this lane gets now (see :meth:`share_for`)."""
@@ -268,6 +289,16 @@ class SimDevice:
         n, dur = eng.plan(now, exclusive=n_ready == 1 and not single)
         if self.parent is None and (self.hosted or self.f_dyn):
             dur = self._yield(eng, n, dur, now)
+        if self.exclusive_lanes:
+            dev = self.parent or self
+            if dev.seg_debt > 0:
+                pay = segment_payment(dev.seg_debt, dur, dev.guest_share("segments"))
+                if pay > 0:
+                    s = 1.0 + pay / dur
+                    if eng.run is not None:
+                        eng.run = eng.run[:5] + (s,)
+                    eng.slowdown = s
+                    dur += pay
         if self.sharing == "switch":
             if eng is not self.last_engine and self.last_engine is not None and self.switch_cost is not None:
                 dur += self.switch_cost(eng)
@@ -297,10 +328,8 @@ class SimDevice:
             f = own_yield(sum(x.share for x in running), t_last, eng.tpot_s, self.yield_margin)
         self.f_dyn = f
         if self.exclusive_lanes:
-            f = min(f, self.guest_share("segments"))  # MLP offload still takes a fluid share
-            if f <= 0.0:
-                return dur
-        elif f != old:
+            return dur  # lanes take whole iterations; segments are paid for as they run (owe_segments)
+        if f != old:
             self.sync_lanes(now, force=True)
         if f <= 0.0:
             return dur
@@ -315,7 +344,10 @@ class SimDevice:
         eng = self.cur
         assert eng is not None
         dur = now - self.cur_start
-        (self.parent or self).work_s += dur / eng.slowdown  # a stretched own step's extra time is its guests'
+        dev = self.parent or self
+        dev.work_s += dur / eng.slowdown  # a stretched own step's extra time is its guests'
+        if self.exclusive_lanes and eng.slowdown != 1.0:
+            dev.seg_debt = max(0.0, dev.seg_debt - (dur - dur / eng.slowdown))  # segment time paid
         if self.parent is not None:  # guest lane: its share of the step is guest time on the parent
             self.parent.guest_busy_s += dur / eng.slowdown
             if self.lease is not None:

@@ -192,9 +192,11 @@ class SimReplica:
                 self.offload_iters += 1
                 for lease, gb, lb in zip(self.offload, timing.guest_busy_s, timing.link_bytes):
                     lease.account(gb, lb)
-                    lease.guest_dev.work_s += gb
-                    if lease.guest_dev.bins is not None:
-                        lease.guest_dev.bins.add(now, now + gb, True)
+                    g = lease.guest_dev
+                    g.work_s += gb
+                    if g.bins is not None:
+                        g.bins.add(now, now + gb, True)
+                    g.owe_segments(gb, now)
                 return 1, timing.total_s * slow
         return 1, t_local * slow
 

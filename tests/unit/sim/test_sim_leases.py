@@ -311,19 +311,52 @@ def test_lane_handback_evicts_cached_weights_at_a_full_home():
     assert ("t9", "*") not in sim.devices["d0"].mem.staged
 
 
-def test_device_work_counts_a_stretched_own_step_once():
-    """A guest that yields part of its own steps to offloaded segments runs them stretched: its own busy time holds
-    the segments' share as well, so the time the device worked (own steps without the stretch, plus the segments) is
-    less than own busy plus guest busy, and equals what the anatomy's busy bins record."""
+class _OneWideLease(_OneLease):
+    """As :class:`_OneLease` with a "segments" lease of ``share`` of d1."""
+
+    def __init__(self, share: float) -> None:
+        super().__init__("segments", 3.0)
+        self.share = share
+
+    def decide(self, trigger: Trigger, snapshot, whatif=None):
+        if trigger.kind != "tick" or self.granted:
+            return []
+        self.granted = True
+        return [GrantLease("t0", "d0", "d1", tuple(f"mlp[{i}]" for i in range(32)), 3.0, self.share, 0,
+                           mode="segments")]
+
+
+def _run_segments(own: list[WorkloadRequest], share: float = 0.8):
+    """t0 prefills eight prompts from 0.2 s, offloading its MLP segments to d1 under a lease of ``share``; t1's
+    ``own`` requests run on d1."""
     borrower = [WorkloadRequest(f"a{i}", 0.2 + 0.01 * i, "t0", 500, 300) for i in range(8)]
-    own = [WorkloadRequest(f"b{i}", 0.1 + 0.01 * i, "t1", 200, 300) for i in range(4)]
     c = small_cluster(2, 2)
     t = small_tenants(c, ["llama-7b", "llama-7b"])
-    sim = Simulator(c, t, _OneLease("segments", 3.0), SimConfig(), random.Random(0))
+    sim = Simulator(c, t, _OneWideLease(share), SimConfig(), random.Random(0))
     sim.record_busy(0.25)
-    r = sim.run(Workload("stretch", tuple(borrower + own), t, 5.0, 0))
+    r = sim.run(Workload("segments", tuple(sorted(borrower + own, key=lambda q: q.arrival_s)), t, 5.0, 0))
+    return sim, r
+
+
+def test_segments_run_on_a_busy_guest_are_paid_by_its_next_steps():
+    """The device's time is conserved: segments a driver runs on d1 while t1 decodes there stretch t1's next steps
+    by their time (its own busy time = its own work + the segments), none is left owed, and the device worked
+    what the anatomy's busy bins record."""
+    own = [WorkloadRequest(f"b{i}", 0.1 + 0.001 * i, "t1", 50, 300) for i in range(2)]
+    sim, r = _run_segments(own)
     d1 = sim.devices["d1"]
-    assert d1.guest_busy_s > 0 and d1.work_s < d1.busy_s + d1.guest_busy_s - 1e-3  # some own steps were stretched
+    assert d1.guest_busy_s > 0.03  # segments ran on d1 while t1 had work
+    assert d1.busy_s == pytest.approx(d1.work_s, abs=1e-9)  # own steps (stretched) = own work + segments
+    assert d1.seg_debt == 0.0
+    alone, _ = _run_segments(own, share=0.0)  # no segments: t1's steps run unstretched
+    assert sim.devices["d1"].busy_s == pytest.approx(alone.devices["d1"].busy_s + d1.guest_busy_s, rel=0.02)
     for d in sim.devices.values():
         assert d.work_s == pytest.approx(sum(d.bins.own) + sum(d.bins.guest))
     assert r.total["device_busy_mean"] <= 1.0
+
+
+def test_segments_run_on_an_idle_guest_cost_it_nothing():
+    sim, _ = _run_segments([])
+    d1 = sim.devices["d1"]
+    assert d1.guest_busy_s > 0.03 and d1.busy_s == 0.0 and d1.seg_debt == 0.0
+    assert d1.work_s == pytest.approx(d1.guest_busy_s)

@@ -10,6 +10,7 @@ from services.worker.emulated import EmulatedEngine
 from services.worker.emulated_leases import EmulatedLeaseAgent
 from services.worker.guest import StagedWeights
 from shared.config import parse_cluster, parse_tenants
+from shared.guest_share import MAX_OWED_S
 from shared.messages import LeaseGranted, LeaseRevoked
 from shared.model.config import PRESETS
 from shared.model.engine import SamplingParams
@@ -54,11 +55,11 @@ TENANTS = parse_tenants({"tenants": [
     cluster=CLUSTER)
 
 
-def _agent(device: str, clock) -> tuple[EmulatedLeaseAgent, EmulatedEngine]:
+def _agent(device: str, clock, lanes=None) -> tuple[EmulatedLeaseAgent, EmulatedEngine]:
     t = TENANTS.tenants[0 if device == "h0" else 1]
     eng = EmulatedEngine(t.model.config, "h100-80gb", kv_blocks=4096, noise_sigma=0.0, sleep=lambda s: None)
     return EmulatedLeaseAgent(cluster=CLUSTER, device=CLUSTER.device(device), tenant=t, tenants=TENANTS,
-                              engine=eng, clock=clock), eng
+                              engine=eng, clock=clock, lanes=lanes), eng
 
 
 def _lease(now: float, share: float) -> LeaseGranted:
@@ -95,14 +96,14 @@ def test_emulated_driver_iterations_get_shorter_and_guest_iterations_longer_unde
     assert deng.time_hook == drv.iteration_time
 
 
-def _same_process_pair(now: list[float]):
-    """An emulated driver h0 (with a prefill-heavy batch) and guest g0 in one process: (peers, driver, its engine,
-    guest, its engine, the driver's plan, its predicted time)."""
+def _same_process_pair(now: list[float], lanes=None):
+    """An emulated driver h0 (with a prefill-heavy batch) and guest g0 (with guest ``lanes``) in one process:
+    (peers, driver, its engine, guest, its engine, the driver's plan, its predicted time)."""
     from services.worker.emulated_leases import EmulatedPeers
 
     peers = EmulatedPeers()
     drv, deng = _agent("h0", lambda: now[0])
-    gst, geng = _agent("g0", lambda: now[0])
+    gst, geng = _agent("g0", lambda: now[0], lanes)
     for a in (drv, gst):
         a.peers = peers
         peers.add(a)
@@ -113,8 +114,6 @@ def _same_process_pair(now: list[float]):
 
 
 def test_a_same_process_driver_charges_its_guest_what_it_used_not_the_whole_share():
-    from services.worker.emulated_leases import MAX_OWED_S
-
     now = [1000.0]
     peers, drv, deng, gst, geng, plan, base = _same_process_pair(now)
     asyncio.run(drv.on_message(_lease(now[0], 1.0)))  # as in the test above: where offloading pays
@@ -138,6 +137,37 @@ def test_a_same_process_driver_charges_its_guest_what_it_used_not_the_whole_shar
     assert gst.owed_s == pytest.approx(owed - (t - gbase))
     asyncio.run(gst.close())
     assert peers.get("g0") is None and peers.get("h0") is drv
+
+
+def test_segments_run_while_a_guest_lane_works_are_owed_and_lane_iterations_pay_them():
+    """The guest's own tenant is idle but a guest lane ("sequences" lease) has work there: the device is busy, so
+    what the driver ran is owed, and the lane's iterations pay it as the own tenant's would."""
+    from services.worker.lanes import GuestLanes
+
+    now = [1000.0]
+    lanes = GuestLanes({"a": TENANTS.tenants[0]}, lambda t, kv: EmulatedEngine(
+        t.model.config, "h100-80gb", kv_blocks=kv, noise_sigma=0.0, sleep=lambda s: None), lambda t: 4096)
+    peers, drv, deng, gst, geng, plan, base = _same_process_pair(now, lanes)
+    asyncio.run(drv.on_message(_lease(now[0], 1.0)))
+    asyncio.run(gst.on_message(_lease(now[0], 0.5)))
+    lanes.on_granted(LeaseGranted(msg_id="s", lease_id="S", tenant="a", home_device="h0", guest_device="g0",
+                                  segments=["*"], start_ts=now[0], end_ts=now[0] + 10, share=0.3, mode="sequences"))
+    lanes.stage("a")
+    lane = lanes.engine_for("a")
+    assert lane.time_hook == gst.lane_time
+    drv.iteration_time(plan, base)
+    assert gst.owed_s == 0.0  # nothing runs on g0 yet: free
+    lane.add("x", [5] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    before = gst.charged_s
+    drv.iteration_time(plan, base)
+    owed = gst.owed_s
+    assert owed > 0 and owed == pytest.approx(min(MAX_OWED_S, gst.charged_s - before))
+    lplan = lane._plan()
+    lbase = lane.predicted_s(lplan)
+    t = lane.time_hook(lplan, lbase)
+    assert t == pytest.approx(lbase + min(owed, lbase))  # share 0.5: at most 1× the iteration
+    assert gst.owed_s == pytest.approx(owed - (t - lbase))
+    assert not geng.has_work()  # the own tenant had nothing: the lane's work alone made the charge owed
 
 
 def test_a_guest_whose_driver_runs_elsewhere_is_stretched_by_the_whole_share():

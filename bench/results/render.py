@@ -266,9 +266,9 @@ def _timeline_lines(tl: Mapping[str, Any] | None, png: Path, md: Path, label: st
              "guest-lane iterations are the workers' measured busy intervals; guest segments are measured per 0.5 s "
              "report window and drawn at the window's start; lease windows come from the lease messages."
              + (" On emulated devices `segments` leases run no separate guest iterations (the guest time a "
-                "driver used delays the guest's own iterations instead, which the own-work intervals include), so "
-                "only their lease windows show; `sequences` leases run emulated guest-lane iterations, drawn as "
-                "guest work."
+                "driver used while the guest had work delays the guest's next iterations instead, own or lane, "
+                "which their busy intervals include), so only their lease windows show; `sequences` leases run "
+                "emulated guest-lane iterations, drawn as guest work."
                 if label == "emulated mesh" else ""), "",
              "| device (home tenant) | own work (s) | guest work (s) | lease windows hosted (s) | leases hosted |",
              "|---|---:|---:|---:|---:|"]
